@@ -1,0 +1,731 @@
+"""The residency manager: which expert lives in which slab slot, and when.
+
+A faithful port of the reference policy (residency.ts). Slots have a role
+(working bank, a sparse layer's resident LRU, pinned, disabled) and a phase
+(idle, loading, ready, leased). Misses load into the working bank; on the
+fenced release of a wave each miss is promoted into its layer's LRU victim
+(idle first) or an idle pinned slot, and the victim slot joins the working
+bank. Only one wave is active at a time, so a leased slot can never be
+shared with, or evicted beneath, another reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from coordinator.residency_plan import (  # noqa: F401  (re-exported API)
+    DEFAULT_EXPERT_WORKING_SLOTS,
+    EMPTY_HINT_SNAPSHOT,
+    ExpertIOHintSegment,
+    ExpertIOHintSnapshot,
+    ExpertIOSegment,
+    ExpertLatencySummary,
+    ExpertResidencyBackend,
+    ExpertResidencyLocation,
+    ExpertResidencyPlan,
+    ExpertUnionEntry,
+    ExpertUnionWave,
+    build_expert_batch_union,
+    build_expert_hint_segments,
+    plan_expert_residency,
+    require_int,
+    summarize_expert_latencies,
+)
+from coordinator.residency_types import (  # noqa: F401  (re-exported API)
+    Classification,
+    ExpertDemandTelemetry,
+    ExpertHintTelemetry,
+    ExpertPolicyTelemetry,
+    ExpertRepinEvent,
+    ExpertResidencyLeaseEntry,
+    ExpertResidencyMapEntry,
+    ExpertResidencySnapshot,
+    ResidencyError,
+    ResidencyPressureError,
+    StaleLeaseError,
+)
+
+SlotRole = Literal["working", "layer", "pinned", "disabled"]
+SlotPhase = Literal["idle", "loading", "ready", "leased"]
+Locate = Callable[[int, int], ExpertResidencyLocation]
+RouteObserver = Callable[[int, object], None]
+BeforeMissSubmit = Callable[[tuple[ExpertResidencyLeaseEntry, ...]], Awaitable[None] | None]
+
+
+@dataclass(slots=True, eq=False)
+class _SlotRecord:
+    id: int
+    role: SlotRole
+    layer: int | None
+    phase: SlotPhase = "idle"
+    expert_id: int | None = None
+    generation: int = 0
+    last_use: int = 0
+
+
+@dataclass(slots=True)
+class _IOCounters:
+    """Telemetry accumulated between two drains of one classification."""
+
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    read_operations: int = 0
+    read_bytes: int = 0
+    disk_service_ms: list[float] = field(default_factory=list)
+    foreground_wait_ms: list[float] = field(default_factory=list)
+
+    def drain(self) -> ExpertDemandTelemetry:
+        return ExpertDemandTelemetry(
+            hits=self.hits,
+            misses=self.misses,
+            loads=self.loads,
+            read_operations=self.read_operations,
+            read_bytes=self.read_bytes,
+            disk_service=summarize_expert_latencies(self.disk_service_ms),
+            foreground_wait=summarize_expert_latencies(self.foreground_wait_ms),
+        )
+
+
+class ExpertBatchLease:
+    """The slots of one wave; release exactly once, after the fence."""
+
+    def __init__(
+        self, manager: ExpertResidencyManager, entries: Iterable[ExpertResidencyLeaseEntry]
+    ) -> None:
+        self._manager: ExpertResidencyManager | None = manager
+        self.entries: tuple[ExpertResidencyLeaseEntry, ...] = tuple(entries)
+
+    @property
+    def released(self) -> bool:
+        return self._manager is None
+
+    def release_fenced(self) -> None:
+        """Release after every graph reading these slots was evaluated and dropped."""
+        manager = self._manager
+        if manager is None:
+            raise ResidencyError("expert batch lease has already been released")
+        try:
+            manager.release_fenced(self.entries)
+        finally:
+            self._manager = None
+
+
+class ExpertResidencyManager:
+    """Deterministic, serial-forward residency policy over a fixed slab."""
+
+    def __init__(
+        self,
+        *,
+        plan: ExpertResidencyPlan,
+        sparse_layer_ids: Sequence[int],
+        backend: ExpertResidencyBackend,
+        locate: Locate,
+        pinned: Sequence[tuple[int, int]] | None = None,
+        usage: object | None = None,
+        route_observer: RouteObserver | None = None,
+    ) -> None:
+        if not isinstance(plan, ExpertResidencyPlan):
+            raise TypeError(f"plan must be an ExpertResidencyPlan, got {type(plan).__name__}")
+        layer_ids = tuple(require_int(layer, "sparse layer id") for layer in sparse_layer_ids)
+        if len(layer_ids) != plan.sparse_layers or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(
+                f"sparse_layer_ids must contain each of the plan's {plan.sparse_layers} sparse "
+                f"layers exactly once, got {list(layer_ids)}"
+            )
+        if backend.slots != plan.total_slots:
+            raise ValueError(
+                f"expert backend has {backend.slots} slots; plan requires {plan.total_slots}"
+            )
+        pins = [
+            (require_int(layer, "pinned layer"), require_int(expert, "pinned expert id"))
+            for layer, expert in (pinned or ())
+        ]
+        if len(pins) != plan.pinned_slots:
+            raise ValueError(
+                f"expert pinned set has {len(pins)} entries; plan reserves {plan.pinned_slots}"
+            )
+        if len(set(pins)) != len(pins):
+            duplicate = next(pin for pin in pins if pins.count(pin) > 1)
+            raise ValueError(f"duplicate pinned expert {duplicate[0]}:{duplicate[1]}")
+        for layer, expert in pins:
+            if layer not in layer_ids:
+                raise ValueError(f"pinned expert {layer}:{expert} is not in a sparse layer")
+
+        self.plan = plan
+        self.sparse_layer_ids = layer_ids
+        self._backend = backend
+        self._locate = locate
+        self._usage = usage
+        self._route_observer = route_observer
+        self._pinned = pins
+        self._pinned_keys = set(pins)
+        self._lookup: dict[tuple[int, int], int] = {}
+        self._active = False
+        self._clock = 0
+        self._generation = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._pressure_evictions = 0
+        self._repin_swaps = 0
+        self._demand = _IOCounters()
+        self._policy = _IOCounters()
+        self._hint_candidates = 0
+        self._hint_resident_skipped = 0
+        self._hint_submit_errors = 0
+        self._hint_baseline = self._backend_hint_snapshot()
+
+        # Slot ids are laid out working bank first, then each layer's LRU, then
+        # pins; roles move between ids later, the ids themselves never do.
+        self._slots: list[_SlotRecord] = []
+        self._working: set[int] = set()
+        self._layer_slots: dict[int, set[int]] = {}
+        for _ in range(plan.working_slots):
+            self._working.add(self._new_slot("working", None).id)
+        for layer in layer_ids:
+            self._layer_slots[layer] = {
+                self._new_slot("layer", layer).id for _ in range(plan.slots_per_layer)
+            }
+        while len(self._slots) < plan.total_slots:
+            self._new_slot("pinned", None)
+
+    # -- the demand path ---------------------------------------------------
+
+    async def acquire_block(
+        self,
+        layer: int,
+        expert_ids: Sequence[int],
+        before_miss_submit: BeforeMissSubmit | None = None,
+        classification: Classification = "demand",
+    ) -> ExpertBatchLease:
+        """Lease slots holding every expert of one deduplicated wave of `layer`.
+
+        Hits are leased at once; `before_miss_submit` sees them before any miss
+        is submitted. On any failure everything this call started is cancelled,
+        drained and discarded, hits go back to ready, and the error re-raises.
+        """
+        if self._active:
+            raise ResidencyError("another expert wave is active; waves are serial")
+        layer = require_int(layer, "layer")
+        if layer not in self._layer_slots:
+            raise ValueError(f"layer {layer} is not a sparse residency layer")
+        if classification not in ("demand", "policy"):
+            raise ValueError(f"classification must be 'demand' or 'policy', got {classification!r}")
+        unique = [require_int(expert, "expert id") for expert in expert_ids]
+        if len(set(unique)) != len(unique):
+            raise ValueError(f"expert block must already be deduplicated, got {unique}")
+        if len(unique) > self.plan.working_slots:
+            raise ValueError(
+                f"expert block has {len(unique)} unique experts; working capacity is "
+                f"{self.plan.working_slots}"
+            )
+
+        counters = self._demand if classification == "demand" else self._policy
+        self._active = True
+        entries: list[ExpertResidencyLeaseEntry] = []
+        loaded: list[_SlotRecord] = []
+        try:
+            for expert in unique:
+                slot = self._lookup.get((layer, expert))
+                if slot is None:
+                    continue
+                record = self._slots[slot]
+                if record.phase != "ready":
+                    raise ResidencyError(f"resident expert {layer}:{expert} is {record.phase}, not ready")
+                self._backend.lease(record.id, record.generation, "gpu")
+                record.phase = "leased"
+                self._clock += 1
+                record.last_use = self._clock
+                entries.append(self._entry(record, hit=True))
+
+            hit_ids = {entry.expert_id for entry in entries}
+            misses = [expert for expert in unique if expert not in hit_ids]
+            if before_miss_submit is not None:
+                outcome = before_miss_submit(tuple(entries))
+                if inspect.isawaitable(outcome):
+                    await outcome
+            scratch = sorted(
+                (self._slots[i] for i in self._working if self._slots[i].phase in ("idle", "ready")),
+                key=lambda record: record.id,
+            )
+            if len(scratch) < len(misses):
+                raise ResidencyError(
+                    f"working tier has {len(scratch)} free slots for {len(misses)} misses"
+                )
+            submitted_at: dict[int, float] = {}
+            for expert, record in zip(misses, scratch):
+                if record.phase == "ready":
+                    self._forget(record)
+                location = self._locate(layer, expert)
+                if location.layer != layer or location.expert_id != expert:
+                    raise ResidencyError(
+                        f"expert locator returned {location.layer}:{location.expert_id} "
+                        f"for {layer}:{expert}"
+                    )
+                generation = self._generation + 1
+                self._backend.submit_segments(record.id, generation, location.segments)
+                # Only a submitted load owns the slot: a refused submit leaves it idle.
+                self._generation = generation
+                record.generation = generation
+                record.layer, record.expert_id, record.phase = layer, expert, "loading"
+                loaded.append(record)
+                submitted_at[record.id] = time.perf_counter()
+                counters.loads += 1
+                counters.read_operations += len(location.segments)
+                counters.read_bytes += sum(segment.length for segment in location.segments)
+
+            failure: BaseException | None = None
+            if loaded:
+                foreground_started = time.perf_counter()
+                outcomes = await asyncio.gather(
+                    *(self._timed_wait(record, submitted_at[record.id], counters) for record in loaded),
+                    return_exceptions=True,
+                )
+                counters.foreground_wait_ms.append((time.perf_counter() - foreground_started) * 1e3)
+                for record, outcome in zip(loaded, outcomes):
+                    record.phase = "ready"
+                    if isinstance(outcome, BaseException):
+                        failure = failure or outcome
+                        continue
+                    self._lookup[(layer, record.expert_id)] = record.id
+                    self._backend.lease(record.id, record.generation, "gpu")
+                    record.phase = "leased"
+                    self._clock += 1
+                    record.last_use = self._clock
+                    entries.append(self._entry(record, hit=False))
+            if failure is not None:
+                raise failure
+        except BaseException as error:
+            await self._abort_acquire(error, entries, loaded)
+            raise AssertionError("unreachable") from error  # _abort_acquire always raises
+
+        # A failed acquire served no request, so it counts neither hit nor miss;
+        # the bytes it did read still show in loads/read_bytes telemetry.
+        hits = sum(1 for entry in entries if entry.hit)
+        counters.hits += hits
+        counters.misses += len(entries) - hits
+        if classification == "demand":
+            self._hits += hits
+            self._misses += len(entries) - hits
+        order = {expert: index for index, expert in enumerate(unique)}
+        entries.sort(key=lambda entry: order[entry.expert_id])
+        return ExpertBatchLease(self, entries)
+
+    def release_fenced(self, entries: Sequence[ExpertResidencyLeaseEntry]) -> None:
+        """End the active wave once the GPU worker has fenced every slot in it."""
+        if not self._active:
+            raise ResidencyError("no active expert batch lease")
+        for entry in entries:
+            record = self._slots[entry.slot] if 0 <= entry.slot < len(self._slots) else None
+            if record is None or record.phase != "leased" or record.generation != entry.generation:
+                # Which slots the reader still holds is unknown now: leave every
+                # leased slot leased (never reused) rather than guess.
+                self._active = False
+                raise StaleLeaseError(
+                    f"stale expert lease {entry.layer}:{entry.expert_id} "
+                    f"(slot {entry.slot}, generation {entry.generation})"
+                )
+        protected = {entry.slot for entry in entries}
+        errors: list[BaseException] = []
+        for entry in entries:
+            record = self._slots[entry.slot]
+            try:
+                self._backend.release_gpu_fenced(record.id, record.generation)
+                record.phase = "ready"
+            except Exception as error:  # noqa: BLE001 - collected and re-raised below
+                errors.append(error)
+                self._disable(record)
+        if errors:
+            for entry in entries:
+                record = self._slots[entry.slot]
+                if entry.hit or record.phase != "ready":
+                    continue
+                self._try_forget(record, errors)
+            self._active = False
+            raise ExceptionGroup("expert lease release failed", errors)
+
+        try:
+            misses = [entry for entry in reversed(entries) if not entry.hit]
+            promoted: set[int] = set()
+            for entry in misses:
+                record = self._slots[entry.slot]
+                if (entry.layer, entry.expert_id) in self._pinned_keys:
+                    target = next(
+                        (s for s in self._slots if s.role == "pinned" and s.phase == "idle"), None
+                    )
+                    if target is not None:
+                        self._swap_roles(record, target, "pinned", None)
+                        promoted.add(record.id)
+                        continue
+                target = self._layer_victim(entry.layer, protected)
+                if target is None:
+                    continue
+                if target.phase == "ready":
+                    self._forget(target, keep_layer=True)
+                    self._evictions += 1
+                self._swap_roles(record, target, "layer", entry.layer)
+                promoted.add(record.id)
+            for entry in misses:
+                if entry.slot not in promoted:
+                    self._forget(self._slots[entry.slot])
+        finally:
+            self._active = False
+
+    # -- safe-point policy -------------------------------------------------
+
+    def correct_for_pressure(self) -> ExpertResidencySnapshot:
+        """Evict oldest unpinned resident slots until the footprint fits the budget.
+
+        Capacity only moves downward: an evicted slot is disabled for the run.
+        Every sparse layer keeps at least one slot.
+        """
+        self._require_safe_point("physical-pressure correction")
+        footprint = self._backend.physical_footprint()
+        while footprint > self.plan.budget_bytes:
+            candidates = [
+                record
+                for record in self._slots
+                if record.role == "layer"
+                and record.phase == "ready"
+                and len(self._layer_slots[record.layer]) > 1
+            ]
+            if not candidates:
+                break
+            victim = min(candidates, key=lambda record: (record.last_use, record.id))
+            layer = victim.layer
+            self._forget(victim)
+            self._layer_slots[layer].discard(victim.id)
+            victim.role = "disabled"
+            self._pressure_evictions += 1
+            footprint = self._backend.physical_footprint()
+        if footprint > self.plan.budget_bytes:
+            raise ResidencyPressureError(
+                f"expert physical footprint {footprint} exceeds budget "
+                f"{self.plan.budget_bytes}, and no evictable capacity remains"
+            )
+        return self.snapshot(footprint)
+
+    async def preload_pinned(self) -> None:
+        """Load the configured pinned experts before the first model forward."""
+        self._require_safe_point("pinned preload")
+        for layer in self.sparse_layer_ids:
+            ids = [expert for pin_layer, expert in self._pinned if pin_layer == layer]
+            step = self.plan.working_slots
+            for begin in range(0, len(ids), step):
+                lease = await self.acquire_block(layer, ids[begin : begin + step], None, "policy")
+                lease.release_fenced()
+
+    def repin_candidates(self) -> list:
+        """LFRU swaps the ledger suggests, one per layer at most (no ledger: none)."""
+        self._require_safe_point("live repin")
+        if self._usage is None:
+            return []
+        candidates = []
+        for layer in self.sparse_layer_ids:
+            ids = [expert for pin_layer, expert in self._pinned if pin_layer == layer]
+            candidate = self._usage.lfru_candidate(layer, ids)
+            if candidate is not None:
+                candidates.append(candidate)
+        return candidates
+
+    async def apply_repin(self, candidate) -> ExpertRepinEvent:
+        """Swap a cold pin for a hot resident expert; roles move, bytes do not."""
+        self._require_safe_point("live repin")
+        layer, cold, hot = candidate.layer, candidate.cold_expert_id, candidate.hot_expert_id
+        if (layer, cold) not in self._pinned_keys or (layer, hot) in self._pinned_keys:
+            raise ResidencyError(f"stale live-repin candidate {layer}: {cold} -> {hot}")
+        if (layer, hot) not in self._lookup:
+            lease = await self.acquire_block(layer, [hot], None, "policy")
+            lease.release_fenced()
+        hot_slot = self._lookup.get((layer, hot))
+        cold_slot = self._lookup.get((layer, cold))
+        if hot_slot is None or cold_slot is None:
+            raise ResidencyError(f"live repin could not materialize both {layer}:{hot} and {layer}:{cold}")
+        hot_record, cold_record = self._slots[hot_slot], self._slots[cold_slot]
+        if not (
+            hot_record.role == "layer"
+            and hot_record.phase == "ready"
+            and cold_record.role == "pinned"
+            and cold_record.phase == "ready"
+        ):
+            raise ResidencyError("live repin requires ready resident and pinned slots")
+        layer_slots = self._layer_slots[layer]
+        layer_slots.discard(hot_record.id)
+        layer_slots.add(cold_record.id)
+        hot_record.role, cold_record.role = "pinned", "layer"
+        cold_record.last_use = 0  # the demoted pin is the layer's next LRU victim
+        self._pinned_keys.discard((layer, cold))
+        self._pinned_keys.add((layer, hot))
+        self._pinned[self._pinned.index((layer, cold))] = (layer, hot)
+        self._repin_swaps += 1
+        return ExpertRepinEvent(layer=layer, evicted_pin=cold, admitted_pin=hot, gain=candidate.gain)
+
+    # -- advisory hints, routes, telemetry ----------------------------------
+
+    def hint_experts(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Queue readahead for predicted experts; never allocates or mutates slots.
+
+        Queue pressure and hint failures are counted, not raised: demand
+        loading stays the correctness path.
+        """
+        layer = require_int(layer, "layer")
+        if layer not in self._layer_slots:
+            raise ValueError(f"layer {layer} is not a sparse residency layer")
+        ids = list(dict.fromkeys(require_int(expert, "hinted expert id") for expert in expert_ids))
+        hint = getattr(self._backend, "hint_segments", None)
+        for expert in ids:
+            self._hint_candidates += 1
+            if (layer, expert) in self._lookup:
+                self._hint_resident_skipped += 1
+                continue
+            try:
+                location = self._locate(layer, expert)
+                segments = location.hint_segments if location.hint_segments is not None else location.segments
+                if not segments:
+                    continue
+                if hint is None:
+                    raise ResidencyError("expert backend has no advisory hint queue")
+                hint(segments)
+            except Exception:  # noqa: BLE001 - advisory by design; counted
+                self._hint_submit_errors += 1
+
+    def record_routes(self, layer: int, routes) -> None:
+        """Count the full router output (every row × rank) before deduplication."""
+        layer = require_int(layer, "layer")
+        if layer not in self._layer_slots:
+            raise ValueError(f"layer {layer} is not a sparse residency layer")
+        if self._usage is not None:
+            self._usage.record_routes(layer, routes)
+        if self._route_observer is not None:
+            self._route_observer(layer, routes)
+
+    def drain_demand_telemetry(self) -> ExpertDemandTelemetry:
+        """Return and reset the model forward's I/O telemetry."""
+        telemetry, self._demand = self._demand.drain(), _IOCounters()
+        return telemetry
+
+    def drain_policy_telemetry(self) -> ExpertPolicyTelemetry:
+        """Return and reset preload / live-repin I/O, kept apart from demand."""
+        telemetry, self._policy = self._policy.drain(), _IOCounters()
+        return telemetry
+
+    def drain_hint_telemetry(self) -> ExpertHintTelemetry:
+        """Return and reset advisory-hint telemetry since the previous drain."""
+        current = self._backend_hint_snapshot()
+        prior = self._hint_baseline
+
+        def delta(name: str) -> int:
+            return max(0, getattr(current, name) - getattr(prior, name))
+
+        telemetry = ExpertHintTelemetry(
+            candidates=self._hint_candidates,
+            resident_skipped=self._hint_resident_skipped,
+            submit_errors=self._hint_submit_errors,
+            submitted=delta("submitted"),
+            completed=delta("completed"),
+            dropped=delta("dropped"),
+            operations=delta("operations"),
+            bytes=delta("bytes"),
+            errors=delta("errors"),
+            queue_depth=current.queue_depth,
+            in_flight=current.in_flight,
+        )
+        self._hint_candidates = self._hint_resident_skipped = self._hint_submit_errors = 0
+        self._hint_baseline = current
+        return telemetry
+
+    def snapshot(self, physical_footprint: int | None = None) -> ExpertResidencySnapshot:
+        roles = [record.role for record in self._slots]
+        phases = [record.phase for record in self._slots]
+        return ExpertResidencySnapshot(
+            clock=self._clock,
+            generation=self._generation,
+            working=roles.count("working"),
+            resident=roles.count("layer"),
+            pinned=roles.count("pinned"),
+            disabled=roles.count("disabled"),
+            loading=phases.count("loading"),
+            leased=phases.count("leased"),
+            physical_footprint=(
+                self._backend.physical_footprint() if physical_footprint is None else physical_footprint
+            ),
+            budget_bytes=self.plan.budget_bytes,
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+            pressure_evictions=self._pressure_evictions,
+            repin_swaps=self._repin_swaps,
+        )
+
+    def residency_map(self) -> list[ExpertResidencyMapEntry]:
+        """Every ready resident or pinned expert, with its ledger entry if any."""
+        result = []
+        for record in self._slots:
+            if record.role not in ("layer", "pinned") or record.phase != "ready":
+                continue
+            if record.layer is None or record.expert_id is None:
+                continue
+            usage = self._usage.entry(record.layer, record.expert_id) if self._usage else None
+            result.append(
+                ExpertResidencyMapEntry(
+                    slot=record.id,
+                    layer=record.layer,
+                    expert_id=record.expert_id,
+                    tier="pinned" if record.role == "pinned" else "resident",
+                    last_use=record.last_use,
+                    usage=usage,
+                )
+            )
+        return result
+
+    @property
+    def active(self) -> bool:
+        """True while a wave is leased (not a safe point)."""
+        return self._active
+
+    @property
+    def pinned(self) -> tuple[tuple[int, int], ...]:
+        return tuple(self._pinned)
+
+    # -- internals ---------------------------------------------------------
+
+    def _new_slot(self, role: SlotRole, layer: int | None) -> _SlotRecord:
+        record = _SlotRecord(id=len(self._slots), role=role, layer=layer)
+        self._slots.append(record)
+        return record
+
+    def _entry(self, record: _SlotRecord, *, hit: bool) -> ExpertResidencyLeaseEntry:
+        assert record.layer is not None and record.expert_id is not None
+        return ExpertResidencyLeaseEntry(
+            layer=record.layer,
+            expert_id=record.expert_id,
+            slot=record.id,
+            generation=record.generation,
+            hit=hit,
+        )
+
+    def _require_safe_point(self, what: str) -> None:
+        if self._active:
+            raise ResidencyError(f"{what} requires a model safe point (a wave is active)")
+
+    def _backend_hint_snapshot(self) -> ExpertIOHintSnapshot:
+        telemetry = getattr(self._backend, "hint_telemetry", None)
+        return telemetry() if telemetry is not None else EMPTY_HINT_SNAPSHOT
+
+    async def _timed_wait(self, record: _SlotRecord, submitted_at: float, counters: _IOCounters) -> None:
+        try:
+            await self._backend.wait(record.id, record.generation)
+        finally:
+            counters.disk_service_ms.append((time.perf_counter() - submitted_at) * 1e3)
+
+    def _forget(self, record: _SlotRecord, *, keep_layer: bool = False) -> None:
+        """Discard a ready slot's contents and its lookup entry; it becomes idle."""
+        if record.layer is not None and record.expert_id is not None:
+            if self._lookup.get((record.layer, record.expert_id)) == record.id:
+                del self._lookup[(record.layer, record.expert_id)]
+        self._backend.discard(record.id, record.generation)
+        record.phase = "idle"
+        record.expert_id = None
+        if not keep_layer and record.role != "layer":
+            record.layer = None
+
+    def _try_forget(self, record: _SlotRecord, errors: list[BaseException]) -> None:
+        try:
+            self._forget(record)
+        except Exception as error:  # noqa: BLE001 - collected by the caller
+            errors.append(error)
+            self._disable(record)
+
+    def _layer_victim(self, layer: int, protected: set[int]) -> _SlotRecord | None:
+        """The layer's slot a promoted miss replaces: idle first, then least recent."""
+        candidates = [
+            self._slots[i]
+            for i in self._layer_slots[layer]
+            if i not in protected and self._slots[i].phase in ("idle", "ready")
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (r.phase != "idle", r.last_use, r.id))
+
+    def _swap_roles(
+        self,
+        loaded: _SlotRecord,
+        target: _SlotRecord,
+        role: Literal["layer", "pinned"],
+        layer: int | None,
+    ) -> None:
+        """Promote a ready working slot into `target`'s role; target joins the bank.
+
+        Only roles move: the loaded bytes stay in their slot, so no I/O happens.
+        """
+        if loaded.role != "working" or loaded.phase != "ready" or target.phase != "idle":
+            raise ResidencyError(
+                f"expert promotion requires a ready working slot and an idle destination "
+                f"(slot {loaded.id} {loaded.role}/{loaded.phase}, slot {target.id} {target.role}/{target.phase})"
+            )
+        self._working.discard(loaded.id)
+        self._working.add(target.id)
+        target.role, target.layer, target.expert_id = "working", None, None
+        loaded.role = role
+        if role == "layer":
+            assert layer is not None
+            loaded.layer = layer
+            self._layer_slots[layer].discard(target.id)
+            self._layer_slots[layer].add(loaded.id)
+
+    def _disable(self, record: _SlotRecord) -> None:
+        """Retire a slot whose state the backend could not confirm."""
+        if record.layer is not None and record.expert_id is not None:
+            if self._lookup.get((record.layer, record.expert_id)) == record.id:
+                del self._lookup[(record.layer, record.expert_id)]
+        self._working.discard(record.id)
+        if record.layer is not None and record.layer in self._layer_slots:
+            self._layer_slots[record.layer].discard(record.id)
+        record.role = "disabled"
+        record.layer = None
+        record.expert_id = None
+
+    async def _abort_acquire(
+        self,
+        error: BaseException,
+        entries: list[ExpertResidencyLeaseEntry],
+        loaded: list[_SlotRecord],
+    ) -> None:
+        """Undo a failed acquire and re-raise. No lease has left the coordinator
+        yet, so releasing its slots here cannot race a reader."""
+        errors: list[BaseException] = []
+        for entry in entries:
+            record = self._slots[entry.slot]
+            if record.phase == "leased":
+                try:
+                    self._backend.release_gpu_fenced(record.id, record.generation)
+                    record.phase = "ready"
+                except Exception as cleanup_error:  # noqa: BLE001
+                    errors.append(cleanup_error)
+                    self._disable(record)
+        for record in loaded:
+            if record.role == "disabled":
+                continue
+            if record.phase == "loading":
+                try:
+                    self._backend.cancel(record.id, record.generation)
+                except Exception as cleanup_error:  # noqa: BLE001 - the load may have finished
+                    errors.append(cleanup_error)
+                try:
+                    # Drain: the slot must be quiescent before it can be reused.
+                    await self._backend.wait(record.id, record.generation)
+                except Exception:  # noqa: BLE001 - a cancelled or failed read still ends the load
+                    pass
+                record.phase = "ready"
+            if record.phase == "ready":
+                self._try_forget(record, errors)
+        self._active = False
+        if errors:
+            raise BaseExceptionGroup("expert acquire failed and cleanup was incomplete", [error, *errors])
+        raise error

@@ -1,0 +1,101 @@
+"""Result and error types of the residency manager (frozen, cheap to ship)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from coordinator.residency_plan import ExpertLatencySummary
+
+Classification = Literal["demand", "policy"]
+
+
+class ResidencyError(RuntimeError):
+    """A residency operation that cannot proceed in the manager's current state."""
+
+
+class StaleLeaseError(ResidencyError):
+    """A lease entry no longer matches its slot's phase or generation."""
+
+
+class ResidencyPressureError(ResidencyError):
+    """The measured footprint exceeds the budget and nothing more can be evicted."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertResidencyLeaseEntry:
+    """One expert of a wave, readable in `slot` until the lease is fenced."""
+
+    layer: int
+    expert_id: int
+    slot: int
+    generation: int
+    hit: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertResidencySnapshot:
+    clock: int
+    generation: int
+    working: int
+    resident: int
+    pinned: int
+    disabled: int
+    loading: int
+    leased: int
+    physical_footprint: int
+    budget_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    pressure_evictions: int
+    repin_swaps: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertResidencyMapEntry:
+    slot: int
+    layer: int
+    expert_id: int
+    tier: Literal["resident", "pinned"]
+    last_use: int
+    usage: object | None  # ExpertUsageEntry when a ledger is attached
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRepinEvent:
+    layer: int
+    evicted_pin: int
+    admitted_pin: int
+    gain: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertDemandTelemetry:
+    """I/O of one drain period: demand (model forward) or policy (preload, repin)."""
+
+    hits: int
+    misses: int
+    loads: int
+    read_operations: int
+    read_bytes: int
+    disk_service: ExpertLatencySummary
+    foreground_wait: ExpertLatencySummary
+
+
+ExpertPolicyTelemetry = ExpertDemandTelemetry
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertHintTelemetry:
+    candidates: int
+    resident_skipped: int
+    submit_errors: int
+    submitted: int
+    completed: int
+    dropped: int
+    operations: int
+    bytes: int
+    errors: int
+    queue_depth: int
+    in_flight: int

@@ -1,0 +1,40 @@
+"""Shared fixtures: every test is checked for leaked processes and shm segments."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    if not SHM_DIR.is_dir():  # macOS has no /dev/shm listing
+        return set()
+    return {name for name in os.listdir(SHM_DIR) if not name.startswith("sem.")}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves child processes or shared-memory segments behind."""
+    me = psutil.Process()
+    shm_before = _shm_entries()
+    children_before = {child.pid for child in me.children(recursive=True)}
+    yield
+    leftover_children = [
+        child for child in me.children(recursive=True) if child.pid not in children_before
+    ]
+    for child in leftover_children:
+        try:
+            child.wait(timeout=5)
+        except psutil.TimeoutExpired:
+            pass
+    alive = [child for child in leftover_children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+    for child in alive:
+        child.kill()
+    leaked_shm = _shm_entries() - shm_before
+    assert not alive, f"test left child processes running: {[c.pid for c in alive]}"
+    assert not leaked_shm, f"test left shared-memory segments: {sorted(leaked_shm)}"
