@@ -214,22 +214,63 @@ def simulate_belady(rows: Sequence[Sequence[int]], *, capacity: int, initial: Se
     return out
 
 
-def read_usage_counts(path: str | Path) -> Counter:
-    """(layer, expert) -> count from an ExpertUsageLedger file (`layer expert count` rows)."""
-    counts: Counter = Counter()
-    for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split()
-        if len(fields) != 3:
-            raise ValueError(f"{path} line {number}: expected 'layer expert count', got {line!r}")
-        for name, text in zip(("layer", "expert", "count"), fields):
-            if not (text.isascii() and text.isdigit()):
-                raise ValueError(f"{path} line {number}: {name} {text!r} is not a non-negative integer")
-        layer, expert, count = map(int, fields)
-        counts[(layer, expert)] += count
-    return counts
+def read_usage_counts(path: str | Path, trace: Trace) -> Counter:
+    """(layer, expert) -> count, read with the real `ExpertUsageLedger`.
+
+    The ledger ignores a damaged profile with a warning (right for a server's
+    derived state); here the file is the user's explicit input, so a warning
+    is an error.
+    """
+    from coordinator.usage import ExpertUsageLedger
+
+    warnings: list[str] = []
+    ledger = ExpertUsageLedger.open(
+        path,
+        layers=trace.layer_ids,
+        experts_per_layer=trace_experts(trace),
+        on_warning=warnings.append,
+    )
+    if warnings:
+        raise ValueError(warnings[0])
+    return Counter({(c.layer, c.expert_id): c.count for c in ledger.ranked_counts()})
+
+
+def trace_experts(trace: Trace) -> int:
+    """Experts per layer as far as the trace shows: its largest id + 1."""
+    return int(trace.experts.max()) + 1
+
+
+def plan_auto_pins(
+    trace: Trace, usage_file: str, *, slots_per_layer: int, slot_bytes: int, min_pin_budget: int
+) -> tuple[tuple[tuple[int, int], ...], str]:
+    """Pins from `plan_expert_auto_pins`, as the launcher plans them (`--pinned auto`).
+
+    The resident tier (slots_per_layer × layers slots) is what pins and LRU
+    slots share: pins take their planned share, the LRU tier keeps the rest.
+    """
+    from coordinator.usage import ExpertUsageLedger, plan_expert_auto_pins
+
+    warnings: list[str] = []
+    ledger = ExpertUsageLedger.open(
+        usage_file, layers=trace.layer_ids, experts_per_layer=trace_experts(trace), on_warning=warnings.append
+    )
+    if warnings:
+        raise ValueError(warnings[0])
+    layers = len(trace.layer_ids)
+    tier = slots_per_layer * layers * slot_bytes
+    plan = plan_expert_auto_pins(
+        ledger=ledger,
+        resident_tier_budget_bytes=tier,
+        mandatory_resident_bytes=layers * slot_bytes,
+        slot_bytes=lambda layer: slot_bytes,
+        min_pin_budget_bytes=min_pin_budget,
+    )
+    pins = tuple(sorted((pin.layer, pin.expert_id) for pin in plan.pins))
+    source = (
+        f"auto from {usage_file}: {len(pins)} pins, confidence {plan.confidence:.2f}, "
+        f"{plan.planned_bytes} of {plan.usable_budget_bytes} usable bytes"
+    )
+    return pins, source
 
 
 def choose_pins(trace: Trace, *, count: int, usage_file: str | None) -> tuple[tuple[tuple[int, int], ...], str]:
@@ -238,7 +279,7 @@ def choose_pins(trace: Trace, *, count: int, usage_file: str | None) -> tuple[tu
         return (), "none"
     if usage_file is not None:
         layers = set(trace.layer_ids)
-        counts = Counter({key: n for key, n in read_usage_counts(usage_file).items() if key[0] in layers and n > 0})
+        counts = Counter({key: n for key, n in read_usage_counts(usage_file, trace).items() if key[0] in layers and n > 0})
         source = f"usage file {usage_file} (top {count} by count)"
     else:
         counts = Counter(
@@ -410,7 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots-per-layer", type=int, required=True, help="resident LRU slots per sparse layer")
     parser.add_argument("--working-slots", type=int, default=None,
                         help="working bank size (default: the most unique experts of one visit)")
-    parser.add_argument("--pinned", type=int, default=0, help="pinned experts in all (default 0)")
+    parser.add_argument("--pinned", default="0",
+                        help="pinned experts in all (default 0), or 'auto': plan_expert_auto_pins over --usage-file, "
+                             "pins then share the resident tier with the LRU slots")
+    parser.add_argument("--slot-bytes", type=int, default=2_777_088,
+                        help="bytes per slot for --pinned auto budgets (default 2777088, a 2.65 MB expert)")
+    parser.add_argument("--min-pin-budget", type=int, default=500_000_000,
+                        help="plan_expert_auto_pins' minimum pin budget in bytes (default 500000000)")
     parser.add_argument("--usage-file", default=None, help="ledger file (layer expert count) to choose the pins from")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="hit rate against slots per layer, all three")
@@ -421,15 +468,34 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.slots_per_layer < 1 or args.pinned < 0 or (args.working_slots is not None and args.working_slots < 1):
+    auto = args.pinned == "auto"
+    if not auto:
+        try:
+            args.pinned = int(args.pinned)
+        except ValueError:
+            parser.error(f"--pinned must be a count or 'auto', got {args.pinned!r}")
+    if args.slots_per_layer < 1 or (not auto and args.pinned < 0) or (args.working_slots is not None and args.working_slots < 1):
         parser.error("--slots-per-layer and --working-slots must be >= 1, --pinned >= 0")
     if args.usage_file and not args.pinned:
         parser.error("--usage-file chooses pins: give --pinned N too")
+    if auto and not args.usage_file:
+        parser.error("--pinned auto plans pins from history: give --usage-file too")
+    if args.slot_bytes < 1 or args.min_pin_budget < 0:
+        parser.error("--slot-bytes must be >= 1 and --min-pin-budget >= 0")
     try:
         trace = read_trace(args.trace)
         rows = unique_rows(trace.experts.tolist())
         working = args.working_slots or max(len(row) for row in rows)
-        pins, source = choose_pins(trace, count=args.pinned, usage_file=args.usage_file)
+        if auto:
+            pins, source = plan_auto_pins(
+                trace, args.usage_file, slots_per_layer=args.slots_per_layer,
+                slot_bytes=args.slot_bytes, min_pin_budget=args.min_pin_budget,
+            )
+            # Pins come out of the resident tier: the LRU tier keeps the rest.
+            per_layer = max(1, (args.slots_per_layer * len(trace.layer_ids) - len(pins)) // len(trace.layer_ids))
+            args.slots_per_layer = per_layer
+        else:
+            pins, source = choose_pins(trace, count=args.pinned, usage_file=args.usage_file)
         capacity = Capacity(slots_per_layer=args.slots_per_layer, working_slots=working, pins=pins, pins_source=source)
         started = time.perf_counter()
         results = replay(trace, capacity, rows=rows)

@@ -101,17 +101,34 @@ def test_choose_pins_from_trace_and_from_usage_file(tmp_path):
     # counts: (0,1) 3; (0,2) (1,3) (1,4) 2 each; (0,5) 1 — the tie goes to the smaller pair
     assert pins == ((0, 1), (0, 2), (1, 3)) and "oracle" in source
     usage = tmp_path / "usage"
-    usage.write_text("0 5 100\n9 1 1000\n1 4 7\n0 2 7\n1 3 0\n")
+    usage.write_text("0 5 100\n1 4 7\n0 2 7\n1 3 0\n")
     pins, source = replay.choose_pins(trace, count=2, usage_file=str(usage))
-    assert pins == ((0, 2), (0, 5)) and "usage file" in source  # layer 9 skipped, tie -> smaller
+    assert pins == ((0, 2), (0, 5)) and "usage file" in source  # tie -> smaller pair
     with pytest.raises(ValueError, match="only 3 candidate"):
         replay.choose_pins(trace, count=4, usage_file=str(usage))
+    # The file is read by the real ledger; what it would ignore is an error here.
+    usage.write_text("0 5 100\n9 1 1000\n")
+    with pytest.raises(ValueError, match="line 2: invalid layer '9'"):
+        replay.choose_pins(trace, count=1, usage_file=str(usage))
     usage.write_text("0 5\n")
-    with pytest.raises(ValueError, match="line 1: expected 'layer expert count'"):
-        replay.read_usage_counts(usage)
+    with pytest.raises(ValueError, match="line 1: expected layer expert count"):
+        replay.read_usage_counts(usage, trace)
     usage.write_text("0 5 1\n0 x 1\n")
-    with pytest.raises(ValueError, match="line 2: expert 'x'"):
-        replay.read_usage_counts(usage)
+    with pytest.raises(ValueError, match="line 2: invalid expert 'x'"):
+        replay.read_usage_counts(usage, trace)
+
+
+def test_auto_pins_share_the_resident_tier(tmp_path):
+    trace = generate_trace(layers=2, experts=16, top_k=2, tokens=200, overlap=0.4, seed=3)
+    usage = tmp_path / "usage"
+    usage.write_text("".join(f"{layer} {e} {10000 - e}\n" for layer in (0, 1) for e in range(16)))
+    pins, source = replay.plan_auto_pins(trace, str(usage), slots_per_layer=4, slot_bytes=100, min_pin_budget=0)
+    # history 319,760 selections >= full confidence: pins get half the 800-byte tier (4 slots),
+    # capped by tier - mandatory (800 - 200): 4 pins, the highest counts first.
+    assert pins == ((0, 0), (0, 1), (1, 0), (1, 1)), source
+    assert "confidence 1.00" in source
+    none, _ = replay.plan_auto_pins(trace, str(usage), slots_per_layer=4, slot_bytes=100, min_pin_budget=10**9)
+    assert none == ()
 
 
 manager_required = pytest.mark.skipif(

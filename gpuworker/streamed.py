@@ -1,0 +1,326 @@
+"""The streamed MoE module: mlx-lm's own SwitchGLU/SwitchMLP fed with leased experts.
+
+`StreamedSwitch` replaces a `SwitchGLU`/`SwitchMLP` of
+`mlx_lm.models.switch_layers` but keeps the original instance (its class,
+activation, biases, quantization and `gather_mm`/`gather_qmm` calls) with its
+expert parameters removed. A call receives `(x, indices)` exactly as the
+switch module does, evaluates the routes (inherent: the experts to fetch are
+data), asks an `ExpertProvider` for them, and for each leased wave:
+
+1. stacks the wave's experts in ascending expert id into parameters of shape
+   `[n_unique, ...]` and remaps the indices from expert ids to positions;
+2. calls the original `__call__` and evaluates its output;
+3. removes the parameters and drops every array that read the wave;
+4. only then fences the wave (zero-copy arrays read the slab itself).
+
+One wave (decode): the original call with the full, monotonically remapped
+indices, so the sort, the kernels and the result are mlx-lm's bit for bit.
+Several waves (prefill larger than the working bank): each wave computes its
+(row, rank) consumers only, and the outputs are put back in place, so the
+family's `(y * scores).sum(-2)` runs unchanged on a `[..., k, hidden]` result.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+__all__ = [
+    "ExpertParam",
+    "ExpertProvider",
+    "ExpertProviderError",
+    "LeasedWave",
+    "StreamedSwitch",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _evaluate(*arrays: mx.array) -> None:
+    """mx.eval, behind a name the tests can observe (ordering of eval and fence)."""
+    mx.eval(*arrays)
+
+
+class ExpertProviderError(ValueError):
+    """A provider answered with waves that do not serve the routes asked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertParam:
+    """One tensor of one expert, as the switch module names it (no expert axis)."""
+
+    name: str  # e.g. "gate_proj.weight", "down_proj.scales", "up_proj.bias"
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.size
+
+
+class LeasedWave:
+    """Experts leased together: ids (unique, wave order) and each one's tensors.
+
+    `tensors` is the per-expert `{name: mx.array}` in `expert_ids` order, or a
+    zero-argument callable that produces them when the module reaches this
+    wave: with a working bank smaller than a prefill's experts, wave i+1 can
+    only be read into the slots wave i frees, i.e. after wave i's fence.
+    The module `take()`s the tensors so that, once it has dropped them,
+    nothing else holds them when it fences. `lease` is the provider's own
+    handle (e.g. the lease id of the wire protocol).
+    """
+
+    __slots__ = ("expert_ids", "lease", "_tensors")
+
+    def __init__(
+        self,
+        expert_ids: Sequence[int],
+        tensors: Sequence[Mapping[str, mx.array]] | Callable[[], Sequence[Mapping[str, mx.array]]],
+        *,
+        lease: object = None,
+    ) -> None:
+        self.expert_ids: tuple[int, ...] = tuple(int(e) for e in expert_ids)
+        self.lease = lease
+        if not callable(tensors):
+            tensors = tuple(tensors)
+            if len(tensors) != len(self.expert_ids):
+                raise ValueError(f"{len(self.expert_ids)} expert ids but {len(tensors)} tensor sets")
+        self._tensors = tensors
+
+    @property
+    def taken(self) -> bool:
+        return self._tensors is None
+
+    def take(self) -> tuple[Mapping[str, mx.array], ...]:
+        """Hand the tensors over (once, loading them if lazy) and forget them."""
+        source, self._tensors = self._tensors, None
+        if source is None:
+            raise ExpertProviderError(f"wave {list(self.expert_ids)} was already taken")
+        tensors = tuple(source() if callable(source) else source)
+        if len(tensors) != len(self.expert_ids):
+            raise ExpertProviderError(f"wave {list(self.expert_ids)}: {len(tensors)} tensor sets")
+        return tensors
+
+    def discard(self) -> None:
+        """Forget the tensors without loading them (error paths, empty waves)."""
+        self._tensors = None
+
+    def __repr__(self) -> str:
+        return f"LeasedWave(experts={list(self.expert_ids)}, lease={self.lease!r}, taken={self.taken})"
+
+
+@runtime_checkable
+class ExpertProvider(Protocol):
+    """Where a streamed module gets its experts (in memory for tests; the lease protocol later)."""
+
+    def acquire(self, layer: int, routes: np.ndarray) -> Sequence[LeasedWave]:
+        """Lease the experts of `routes` (rows x top_k, every selection, before dedup).
+
+        Returns the waves in order; together they hold each routed expert once.
+        A wave's tensors may load lazily (on `take`, after the previous fence).
+        """
+        ...
+
+    def fence(self, wave: LeasedWave) -> None:
+        """The module no longer reads `wave`: its outputs are evaluated and its arrays dropped."""
+        ...
+
+
+def _check_waves(waves: Sequence[LeasedWave], routes: np.ndarray, num_experts: int, layer: int) -> None:
+    """Each routed expert in exactly one wave, and nothing else."""
+    seen: set[int] = set()
+    for wave in waves:
+        ids = getattr(wave, "expert_ids", None)
+        if ids is None or not all(callable(getattr(wave, name, None)) for name in ("take", "discard")):
+            raise ExpertProviderError(f"layer {layer}: provider returned {type(wave).__name__}, not a LeasedWave")
+        for expert in ids:
+            if not 0 <= expert < num_experts:
+                raise ExpertProviderError(f"layer {layer}: wave expert {expert} out of range [0, {num_experts})")
+            if expert in seen:
+                raise ExpertProviderError(f"layer {layer}: expert {expert} leased twice in one call")
+            seen.add(expert)
+    routed = set(np.unique(routes).tolist())
+    if seen != routed:
+        missing, extra = sorted(routed - seen), sorted(seen - routed)
+        raise ExpertProviderError(
+            f"layer {layer}: waves lease experts {sorted(seen)} but the routes need {sorted(routed)} "
+            f"(missing {missing}, not routed {extra})"
+        )
+
+
+def _stacked(wave: LeasedWave, params: Sequence[ExpertParam], layer: int) -> tuple[list[int], dict[str, mx.array]]:
+    """The wave's experts in ascending id, stacked per tensor name: [n_unique, ...]."""
+    tensors = wave.take()
+    order = sorted(range(len(wave.expert_ids)), key=wave.expert_ids.__getitem__)
+    wanted = {param.name for param in params}
+    for position, expert in enumerate(wave.expert_ids):
+        got = tensors[position]
+        if set(got) != wanted:
+            raise ExpertProviderError(
+                f"layer {layer} expert {expert}: tensors {sorted(got)} but the module needs {sorted(wanted)}"
+            )
+        for param in params:
+            array = got[param.name]
+            if not isinstance(array, mx.array) or tuple(array.shape) != param.shape or array.dtype != param.dtype:
+                what = (f"{array.dtype} {list(array.shape)}" if isinstance(array, mx.array)
+                        else type(array).__name__)
+                raise ExpertProviderError(
+                    f"layer {layer} expert {expert} {param.name}: got {what}, "
+                    f"the module needs {param.dtype} {list(param.shape)}"
+                )
+    stacked = {param.name: mx.stack([tensors[j][param.name] for j in order]) for param in params}
+    return [wave.expert_ids[j] for j in order], stacked
+
+
+class StreamedSwitch(nn.Module):
+    """A SwitchGLU/SwitchMLP whose experts come from an `ExpertProvider`, one wave at a time."""
+
+    def __init__(
+        self,
+        switch: nn.Module,
+        *,
+        layer: int,
+        num_experts: int,
+        params: Sequence[ExpertParam],
+        provider: ExpertProvider,
+    ) -> None:
+        super().__init__()
+        self.switch = switch  # the original instance, expert parameters removed
+        self.layer = int(layer)
+        self.num_experts = int(num_experts)
+        self.provider = provider
+        self._expert_params = _ParamSpecs(tuple(params))
+
+    @property
+    def expert_params(self) -> tuple[ExpertParam, ...]:
+        return self._expert_params.params
+
+    # -- parameters of the current wave ----------------------------------------------------------
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        *path, key = name.split(".")
+        owner = self.switch
+        for part in path:
+            owner = owner[part]
+        return owner, key
+
+    def _install(self, stacked: Mapping[str, mx.array]) -> None:
+        for name, array in stacked.items():
+            owner, key = self._owner(name)
+            owner[key] = array
+
+    def _clear(self) -> None:
+        for param in self.expert_params:
+            owner, key = self._owner(param.name)
+            owner.pop(key, None)
+
+    # -- computing --------------------------------------------------------------------------------
+
+    def _run_wave(self, x: mx.array, ids: np.ndarray, wave: LeasedWave, dtype: mx.Dtype) -> mx.array:
+        """The switch output for `x` routed to `ids` (expert ids, all in `wave`), evaluated.
+
+        On return no array of this frame reads the wave: the output is
+        evaluated (MLX detaches evaluated arrays from their inputs) and the
+        stacked parameters are removed from the module.
+        """
+        order, stacked = _stacked(wave, self.expert_params, self.layer)
+        lookup = np.full(self.num_experts, -1, dtype=np.int64)
+        lookup[order] = np.arange(len(order))
+        # Ascending ids -> ascending positions: mlx-lm's sort by index sees the same order.
+        positions = mx.array(lookup[ids].astype(np.int32)).astype(dtype)
+        self._install(stacked)
+        del stacked
+        try:
+            y = self.switch(x, positions)
+            _evaluate(y)
+        finally:
+            self._clear()
+        return y
+
+    def _finish(self, wave: LeasedWave, fenced: list[LeasedWave]) -> None:
+        fenced.append(wave)
+        self.provider.fence(wave)
+
+    def _waves(self, x: mx.array, indices: mx.array, routes: np.ndarray,
+               waves: Sequence[LeasedWave], fenced: list[LeasedWave]) -> mx.array:
+        shape, k = indices.shape, indices.shape[-1]
+        if len(waves) == 1:
+            y = self._run_wave(x, routes.reshape(shape), waves[0], indices.dtype)
+            self._finish(waves[0], fenced)
+            return y
+        rows = x.reshape(-1, x.shape[-1])
+        flat = routes.reshape(-1)
+        outputs, places = [], []
+        for wave in waves:
+            consumers = np.flatnonzero(np.isin(flat, np.asarray(wave.expert_ids, dtype=flat.dtype)))
+            if consumers.size == 0:  # an empty wave: nothing reads it
+                wave.discard()
+                self._finish(wave, fenced)
+                continue
+            wave_x = rows[mx.array((consumers // k).astype(np.int32))]
+            y = self._run_wave(wave_x, flat[consumers].reshape(-1, 1), wave, indices.dtype)
+            self._finish(wave, fenced)
+            outputs.append(y.reshape(consumers.size, -1))
+            places.append(consumers)
+        # Every (row, rank) belongs to exactly one wave: undo the wave order with one gather.
+        inverse = np.argsort(np.concatenate(places), kind="stable").astype(np.int32)
+        y = mx.concatenate(outputs, axis=0)[mx.array(inverse)]
+        return y.reshape(*shape, -1)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if tuple(x.shape[:-1]) != tuple(indices.shape[:-1]):
+            raise ValueError(f"layer {self.layer}: x {list(x.shape)} and indices {list(indices.shape)} "
+                             "do not share leading dimensions")
+        # The routes are data: evaluate them (and x, so no dense compute runs under the lease).
+        _evaluate(x, indices)
+        routes = np.array(indices, copy=True).astype(np.int32).reshape(-1, indices.shape[-1])
+        if routes.size and (routes.min() < 0 or routes.max() >= self.num_experts):
+            raise ValueError(f"layer {self.layer}: route out of range [0, {self.num_experts})")
+        routes.setflags(write=False)
+        if routes.size == 0:
+            return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
+        waves = list(self.provider.acquire(self.layer, routes))
+        fenced: list[LeasedWave] = []
+        try:
+            _check_waves(waves, routes, self.num_experts, self.layer)
+            return self._waves(x, indices, routes, waves, fenced)
+        except BaseException as error:
+            self._release_after_error(waves, fenced, error)
+            raise
+
+    def _release_after_error(self, waves: Sequence[LeasedWave], fenced: list[LeasedWave],
+                             error: BaseException) -> None:
+        """Drop everything that may read the waves, then fence the ones not fenced yet.
+
+        Lazy arrays built from a wave can survive in the frames of the
+        traceback (a failed `_run_wave`); clearing those frames drops them
+        before the fence, so the ordering holds on the error path too.
+        """
+        self._clear()
+        traceback.clear_frames(error.__traceback__)
+        for wave in waves:
+            if any(wave is done for done in fenced):
+                continue
+            try:
+                discard = getattr(wave, "discard", None)
+                if callable(discard):
+                    discard()
+                self.provider.fence(wave)
+            except Exception:  # keep the original error; the provider reports its own
+                logger.exception("layer %d: fence after error failed for %r", self.layer, wave)
+
+
+class _ParamSpecs:
+    """Holds the expert tensor specs as a plain attribute (nn.Module would treat a tuple as state)."""
+
+    __slots__ = ("params",)
+
+    def __init__(self, params: tuple[ExpertParam, ...]) -> None:
+        self.params = params

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test suite, from a fresh clone: set up .venv, then run every test.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$root/scripts/setup_env.sh"
+cd "$root"
+exec "$MOESLAB_PYTHON" -m pytest "$@"

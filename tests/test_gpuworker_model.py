@@ -1,0 +1,451 @@
+"""gpuworker.model / gpuworker.streamed against mlx-lm's own generation, family by family.
+
+The oracle is mlx-lm's `load_model` + `generate_step` on the fully loaded
+model; ours is `load_streamed_model` with an in-memory provider whose working
+bank is exactly top_k experts, so every prefill needs several waves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import load_model, save_config, save_model
+
+from gpuworker import streamed
+from gpuworker.model import check_against_store, load_streamed_model, streamed_switches
+from gpuworker.slots import slot_arrays
+from gpuworker.streamed import ExpertProviderError, LeasedWave
+from tests.tiny_models import FAMILIES, build_tiny_model, write_tiny_model, write_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = list(b"The quick brown fox jumps over the lazy dog, again and again.")
+GENERATED = 32
+RTOL = 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and providers
+
+
+def _write_model(path: Path, family: str, quantized: bool, **overrides) -> Path:
+    """A tiny model of `family`; routers that mlx-lm initializes to zeros get random weights.
+
+    (deepseek_v3's MoEGate starts at zeros, which routes every token to the
+    same experts and would leave waves and remapping untested.)
+    """
+    model, config = build_tiny_model(family, quantized=quantized, **overrides)
+    for index, layer in enumerate(model.model.layers):
+        gate = getattr(getattr(layer, "mlp", None), "gate", None)
+        weight = gate.get("weight") if gate is not None else None
+        if weight is not None and not isinstance(getattr(gate, "scales", None), mx.array) and not weight.any():
+            mx.random.seed(100 + index)
+            gate.weight = mx.random.normal(weight.shape).astype(weight.dtype)
+    mx.eval(model.parameters())
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(config, config_path=path / "config.json")
+    write_tokenizer(path)
+    return path
+
+
+def _experts_of(model) -> dict[int, dict[str, mx.array]]:
+    """{layer: {name: stacked [E, ...] array}} of a fully loaded mlx-lm model."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (SwitchGLU, SwitchMLP)):
+            layer = int(re.findall(r"layers\.(\d+)", name)[-1])
+            found[layer] = dict(tree_flatten(module.parameters()))
+    return found
+
+
+class Log(list):
+    """Ordered events of one test: ('acquire'|'take'|'eval'|'fence', ...)."""
+
+
+class RecordingWave(LeasedWave):
+    __slots__ = ("number", "log", "refs")
+
+    def take(self):
+        self.log.append(("take", self.number))
+        return super().take()
+
+
+class RecordingProvider:
+    """Serves experts from memory in waves of at most `bank`, and checks the lease discipline."""
+
+    def __init__(self, experts: dict[int, dict[str, mx.array]], *, bank: int, log: Log) -> None:
+        self.experts = experts
+        self.bank = bank
+        self.log = log
+        self.calls: list[tuple[int, np.ndarray, int]] = []  # (layer, routes, waves)
+        self.outstanding: dict[int, RecordingWave] = {}
+        self.fenced: list[int] = []
+        self.waves = 0
+        self.model = None  # set after loading: fence checks the model holds no wave
+
+    def acquire(self, layer: int, routes: np.ndarray):
+        assert not self.outstanding, f"acquire with waves still leased: {list(self.outstanding)}"
+        assert routes.ndim == 2 and not routes.flags.writeable
+        unique = list(dict.fromkeys(routes.reshape(-1).tolist()))  # first-seen order, not sorted
+        waves = []
+        for start in range(0, len(unique), self.bank):
+            ids = unique[start : start + self.bank]
+            tensors = [{name: mx.array(np.array(array[e])) for name, array in self.experts[layer].items()}
+                       for e in ids]
+            wave = RecordingWave(ids, tensors, lease=self.waves)
+            wave.number, wave.log = self.waves, self.log
+            wave.refs = [weakref.ref(array) for group in tensors for array in group.values()]
+            del tensors
+            self.outstanding[wave.number] = wave
+            waves.append(wave)
+            self.waves += 1
+        self.calls.append((layer, routes.copy(), len(waves)))
+        self.log.append(("acquire", layer, [wave.number for wave in waves]))
+        return waves
+
+    def fence(self, wave: RecordingWave) -> None:
+        assert wave.number in self.outstanding, f"fence of wave {wave.number} twice or never leased"
+        del self.outstanding[wave.number]
+        # Dropped: no Python reference to any array it served is left.
+        assert all(ref() is None for ref in wave.refs), f"wave {wave.number} fenced while its arrays live"
+        # Evaluated: the last event since this wave's take is an eval of its output.
+        since = self.log[self.log.index(("take", wave.number)) + 1 :]
+        assert since and since[-1][0] == "eval", f"wave {wave.number} fenced without eval: {since}"
+        if self.model is not None:
+            for module in streamed_switches(self.model):
+                assert not tree_flatten(module.parameters()), "expert parameters left set at fence"
+        self.fenced.append(wave.number)
+        self.log.append(("fence", wave.number))
+
+
+@pytest.fixture
+def log(monkeypatch) -> Log:
+    events = Log()
+
+    def recording_eval(*arrays):
+        events.append(("eval", len(arrays)))
+        mx.eval(*arrays)
+
+    monkeypatch.setattr(streamed, "_evaluate", recording_eval)
+    return events
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    made = {}
+
+    def get(family: str, quantized: bool, dtype: str = "float32") -> Path:
+        key = (family, quantized, dtype)
+        if key not in made:
+            made[key] = _write_model(tmp_path_factory.mktemp(f"{family}-{int(quantized)}-{dtype}"), family,
+                                     quantized, dtype=dtype)
+        return made[key]
+
+    return get
+
+
+def _rel(a: mx.array, b: mx.array) -> float:
+    a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
+
+
+def _greedy(model, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
+    tokens, logprobs = [], []
+    for token, lp in generate_step(mx.array(prompt), model, max_tokens=GENERATED):
+        tokens.append(token)
+        logprobs.append(lp)
+    return tokens, logprobs
+
+
+def _record_routes(model) -> dict[int, list[np.ndarray]]:
+    """Wrap the oracle's switch modules to record the indices its routers produce."""
+    seen: dict[int, list[np.ndarray]] = {}
+
+    class Recorder(nn.Module):
+        def __init__(self, inner, layer):
+            super().__init__()
+            self.inner, self.layer = inner, layer
+
+        def __call__(self, x, indices):
+            seen.setdefault(self.layer, []).append(np.array(indices).reshape(-1, indices.shape[-1]))
+            return self.inner(x, indices)
+
+    for name, module in model.named_modules():
+        if isinstance(module, (SwitchGLU, SwitchMLP)):
+            *parent, key = name.split(".")
+            owner = model
+            for part in parent:
+                owner = owner[int(part)] if isinstance(owner, list) else owner[part]
+            owner[key] = Recorder(module, int(re.findall(r"layers\.(\d+)", name)[-1]))
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# Against mlx-lm, every family, full precision and 4-bit
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_generation_equals_mlx_lm(family, quantized, models, log):
+    path = models(family, quantized)
+    oracle, config = load_model(path)
+    experts = _experts_of(oracle)
+    top_k = config.get("num_experts_per_tok") or config["experts_per_token"]
+    provider = RecordingProvider(experts, bank=top_k, log=log)
+    model, info = load_streamed_model(path, provider=provider)
+    provider.model = model
+    oracle_routes = _record_routes(oracle)
+
+    # No routed-expert parameter is held, and every sparse layer is streamed.
+    held = dict(tree_flatten(model.parameters()))
+    assert not [name for name in held if re.search(r"\.(switch_mlp|experts)\.", name)]
+    assert info.sparse_layers == tuple(sorted(experts))
+    assert info.dense_bytes == sum(array.nbytes for array in held.values())
+    full = sum(array.nbytes for _, array in tree_flatten(oracle.parameters()))
+    assert info.dense_bytes + info.routed_bytes == full
+
+    # Greedy generation: same tokens, log-probabilities within RTOL.
+    want_tokens, want_lp = _greedy(oracle, PROMPT)
+    got_tokens, got_lp = _greedy(model, PROMPT)
+    assert got_tokens == want_tokens
+    step_diff = max(_rel(a, b) for a, b in zip(want_lp, got_lp))
+    assert step_diff <= RTOL
+    assert any(waves > 1 for _, _, waves in provider.calls), "prefill never needed several waves"
+    # The provider saw every router selection, before dedup: as many as mlx-lm's routers made.
+    for layer, seen in oracle_routes.items():
+        assert sum(r.size for l, r, _ in provider.calls if l == layer) == sum(r.size for r in seen)
+
+    # Logits of the whole prompt in one forward (multi-wave prefill).
+    logits_diff = _rel(oracle(mx.array([PROMPT])), model(mx.array([PROMPT])))
+    assert logits_diff <= RTOL
+    logging.getLogger(__name__).info("%s %s: max relative difference %.3g (steps), %.3g (logits)",
+                                     family, "q4" if quantized else "fp32", step_diff, logits_diff)
+
+    # Lease discipline: each wave fenced exactly once, nothing left leased.
+    assert not provider.outstanding
+    assert sorted(provider.fenced) == list(range(provider.waves))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_wave_is_bit_identical_and_routes_are_every_selection(family, models, log):
+    path = models(family, False)
+    oracle, config = load_model(path)
+    experts = _experts_of(oracle)
+    provider = RecordingProvider(experts, bank=10**6, log=log)
+    model, _ = load_streamed_model(path, provider=provider)
+    routes = _record_routes(oracle)
+
+    ids = mx.array([PROMPT[:40], PROMPT[5:45]])  # batch 2 x 40 tokens: mlx-lm sorts (>= 64 selections)
+    want, got = oracle(ids), model(ids)
+    assert mx.array_equal(want, got).item()
+    top_k = config.get("num_experts_per_tok") or config["experts_per_token"]
+    per_layer = {}
+    for layer, seen, waves in provider.calls:
+        assert waves == 1
+        assert seen.shape == (ids.size, top_k)  # every selection, before dedup
+        per_layer[layer] = seen
+    assert set(per_layer) == set(routes)
+    for layer, seen in per_layer.items():
+        assert np.array_equal(seen, routes[layer][0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the store and a slab: layouts -> slots -> arrays -> streamed module
+
+
+class SlabProvider:
+    """A working bank of `slots` slots: each wave is read into them (plain pread, as an I/O
+    worker would) only when the module takes it, which needs the previous wave fenced."""
+
+    def __init__(self, store, *, slots: int) -> None:
+        self.store, self.slots = store, slots
+        self.buffer = bytearray(slots * store.slot_bytes)
+        self.bytes_copied = 0
+        self.busy: object = None  # the wave occupying the bank
+        self.waves = 0
+
+    def acquire(self, layer, routes):
+        unique = sorted(set(routes.reshape(-1).tolist()))
+        waves = []
+        for start in range(0, len(unique), self.slots):
+            ids = unique[start : start + self.slots]
+            waves.append(LeasedWave(ids, lambda ids=ids, lease=self.waves: self._load(layer, ids, lease),
+                                    lease=self.waves))
+            self.waves += 1
+        return waves
+
+    def _load(self, layer, ids, lease):
+        assert self.busy is None, f"wave {lease} loaded while wave {self.busy} still holds the bank"
+        self.busy = lease
+        return [self._read(layer, expert, slot) for slot, expert in enumerate(ids)]
+
+    def _read(self, layer, expert, slot):
+        slot_bytes = self.store.slot_bytes
+        view = memoryview(self.buffer)[slot * slot_bytes : (slot + 1) * slot_bytes]
+        for segment in self.store.locate(layer, expert).segments:
+            fd = os.open(self.store.manifest[segment.file], os.O_RDONLY)
+            try:
+                data = os.pread(fd, segment.length, segment.offset)
+            finally:
+                os.close(fd)
+            view[segment.destination : segment.destination + segment.length] = data
+        view.release()
+        arrays, stats = slot_arrays(self.buffer, slot, slot_bytes, self.store.layout(layer, expert))
+        self.bytes_copied += stats.bytes_copied
+        return arrays
+
+    def fence(self, wave):
+        assert wave.lease == self.busy, (wave, self.busy)
+        self.busy = None
+        # The next wave reuses these slots: scribble over them to catch late readers.
+        self.buffer[:] = b"\x7f" * len(self.buffer)
+
+
+# bfloat16 only quantized: MLX's CPU gather_mm (unquantized experts) supports float32 only.
+@pytest.mark.parametrize("family,quantized,dtype", [("gpt_oss", True, "float32"), ("deepseek_v3", False, "float32"),
+                                                    ("qwen3_moe", True, "float32"), ("mixtral", True, "bfloat16")])
+def test_through_store_layouts_and_slots(family, quantized, dtype, models):
+    store_module = pytest.importorskip("shared.store")
+    path = models(family, quantized, dtype)
+    store = store_module.ExpertStore.open(path)
+    oracle, config = load_model(path)
+    top_k = config.get("num_experts_per_tok") or config["experts_per_token"]
+    provider = SlabProvider(store, slots=top_k)
+    model, info = load_streamed_model(path, provider=provider)
+    check_against_store(info, store)
+    ids = mx.array([PROMPT])
+    assert mx.array_equal(oracle(ids), model(ids)).item()  # waves reassemble exactly here
+    assert provider.bytes_copied > 0 and provider.busy is None and provider.waves > 2 * len(info.modules)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_per_expert_checkpoint_names(family, tmp_path, log):
+    """One tensor per expert (HF names): sanitize stacks them; the streamed model still matches."""
+    path = write_tiny_model(tmp_path / family, family=family, layout="per_expert")
+    oracle, config = load_model(path)
+    provider = RecordingProvider(_experts_of(oracle), bank=config["num_experts_per_tok"], log=log)
+    model, info = load_streamed_model(path, provider=provider)
+    assert not [name for name, _ in tree_flatten(model.parameters()) if ".experts." in name or ".switch_mlp." in name]
+    store_module = pytest.importorskip("shared.store")
+    check_against_store(info, store_module.ExpertStore.open(path))
+    ids = mx.array([PROMPT])
+    assert mx.array_equal(oracle(ids), model(ids)).item()
+    assert not provider.outstanding
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad providers: clear errors, every wave still fenced, nothing left installed
+
+
+class BadProvider:
+    def __init__(self, experts, *, mode):
+        self.experts, self.mode = experts, mode
+        self.outstanding: list[LeasedWave] = []
+        self.fenced: list[LeasedWave] = []
+
+    def acquire(self, layer, routes):
+        unique = sorted(set(routes.reshape(-1).tolist()))
+        if self.mode == "missing":
+            unique = unique[:-1]
+        tensors = [{name: array[e] for name, array in self.experts[layer].items()} for e in unique]
+        if self.mode == "shape":
+            name = next(iter(tensors[-1]))
+            tensors[-1][name] = tensors[-1][name][..., :-1]
+        half = len(unique) // 2
+        waves = [LeasedWave(unique[:half], tensors[:half]), LeasedWave(unique[half:], tensors[half:])]
+        self.outstanding.extend(waves)
+        return waves
+
+    def fence(self, wave):
+        assert any(wave is w for w in self.outstanding)
+        self.outstanding = [w for w in self.outstanding if w is not wave]
+        self.fenced.append(wave)
+
+
+@pytest.mark.parametrize("mode,match", [("missing", "missing"), ("shape", "needs")])
+def test_bad_waves_are_refused_and_still_fenced(mode, match, models):
+    path = models("qwen3_moe", False)
+    oracle, _ = load_model(path)
+    provider = BadProvider(_experts_of(oracle), mode=mode)
+    model, _ = load_streamed_model(path, provider=provider)
+    with pytest.raises(ExpertProviderError, match=match):
+        model(mx.array([PROMPT[:8]]))
+    assert not provider.outstanding and len(provider.fenced) == 2
+    for module in streamed_switches(model):
+        assert not tree_flatten(module.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: RSS grows by the dense bytes, not by the experts
+
+_MEASURE = textwrap.dedent(
+    """
+    import gc, json, sys
+    import psutil
+    import mlx.core as mx
+    import mlx_lm.models.qwen3_moe  # import cost outside the measurement
+    from mlx_lm.utils import load_model
+    from gpuworker.model import load_streamed_model
+    from pathlib import Path
+
+    class Never:
+        def acquire(self, layer, routes): raise AssertionError("no forward here")
+        def fence(self, wave): raise AssertionError("no forward here")
+
+    mode, path = sys.argv[1], sys.argv[2]
+    process = psutil.Process()
+    gc.collect()
+    before = process.memory_full_info()
+    if mode == "streamed":
+        model, info = load_streamed_model(path, provider=Never())
+        dense = info.dense_bytes
+    else:
+        model, _ = load_model(Path(path))
+        dense = None
+    gc.collect()
+    after = process.memory_full_info()
+    print(json.dumps({"rss": after.rss - before.rss, "uss": after.uss - before.uss, "dense": dense,
+                      "active": mx.get_active_memory()}))
+    """
+)
+
+
+def _measure(mode: str, path: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _MEASURE, mode, str(path)], capture_output=True, text=True,
+                          env=env, timeout=120, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_loading_reads_dense_bytes_only(layout, tmp_path):
+    # Experts: 2 layers x 64 experts x 3 x (128 x 512) fp32 = 96 MiB; dense well under 1 MiB.
+    # per_expert: Hugging Face names, stacked by the family's sanitize (lazily, never evaluated).
+    path = write_tiny_model(tmp_path / "big", family="qwen3_moe", layout=layout, hidden_size=128,
+                            moe_intermediate_size=512, num_experts=64)
+    streamed_run, full_run = _measure("streamed", path), _measure("full", path)
+    dense = streamed_run["dense"]
+    routed = sum(os.path.getsize(file) for file in path.glob("*.safetensors")) - dense
+    assert routed >= 8 * dense and routed >= 64 * 2**20
+    margin = 16 * 2**20  # interpreter, allocator and lazy-graph noise
+    logging.getLogger(__name__).info("dense %d, routed %d bytes; streamed load %s; full load %s",
+                                     dense, routed, streamed_run, full_run)
+    assert streamed_run["rss"] <= dense + margin, (streamed_run, dense)
+    assert streamed_run["uss"] <= dense + margin, (streamed_run, dense)
+    assert streamed_run["active"] <= dense + 2**20
+    # The instrument can see the experts when they are loaded.
+    assert full_run["rss"] >= 0.8 * routed, full_run
