@@ -1,0 +1,209 @@
+"""Messages between the coordinator (ROUTER) and the GPU worker (DEALER).
+
+Startup: worker `gpu_hello` → coordinator `gpu_welcome` (the plan, the slab)
+→ worker loads its dense weights → `gpu_ready` (or `error` if that failed).
+
+Lease protocol, per sparse layer of a forward pass:
+
+    worker `routes` (every row × top-k selection, before dedup; optionally the
+           fence of the previous layer's last wave, which saves a round trip)
+    coord  `lease`  (wave 0 of this layer visit: expert → slot, generation)
+    worker computes, `mx.eval`s the outputs, drops every array reading the
+           slots, and only then: `fence` (lease id, next=True when it wants
+           the visit's next wave)
+    coord  `lease`  (the next wave) or `fenced` (no wave follows)
+
+Generation: coord `job` → worker `token`… then `job_done` or `job_error`;
+coord `job_cancel` may arrive at any time (the worker checks between tokens).
+Everything the worker cannot serve gets `error`; a `routes`/`fence` the
+coordinator refuses gets `error` too, and the worker fails the job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from shared.protocol import BAD_FIELD, ErrorReply, ProtocolError, make_registry, register_codec, wire
+
+MAX_ROUTE_ROWS = 1 << 16  # a prefill chunk's rows
+MAX_TOP_K = 64
+MAX_WAVE_EXPERTS = 4096
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RouteMatrix:
+    """Router selections, rows × top-k int32; travels as [rows, top_k, raw bytes]."""
+
+    array: np.ndarray
+
+    def __post_init__(self) -> None:
+        array = np.ascontiguousarray(self.array, dtype="<i4")
+        if array.ndim != 2:
+            raise ValueError(f"routes must be rows x top-k, got shape {array.shape}")
+        object.__setattr__(self, "array", array)
+
+
+def _encode_routes(routes: RouteMatrix) -> list[Any]:
+    rows, top_k = routes.array.shape
+    return [rows, top_k, routes.array.tobytes()]
+
+
+def _decode_routes(value: Any, where: str) -> RouteMatrix:
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ProtocolError(BAD_FIELD, f"{where} must be [rows, top_k, bytes], got {type(value).__name__}")
+    rows, top_k, raw = value
+    for name, number, limit in (("rows", rows, MAX_ROUTE_ROWS), ("top_k", top_k, MAX_TOP_K)):
+        if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= limit:
+            raise ProtocolError(BAD_FIELD, f"{where} {name} must be an integer in 1..{limit}, got {number!r}")
+    if not isinstance(raw, bytes) or len(raw) != rows * top_k * 4:
+        size = len(raw) if isinstance(raw, bytes) else type(raw).__name__
+        raise ProtocolError(BAD_FIELD, f"{where} must carry {rows * top_k * 4} bytes of int32, got {size}")
+    array = np.frombuffer(raw, dtype="<i4").reshape(rows, top_k)
+    if array.size and int(array.min()) < 0:
+        raise ProtocolError(BAD_FIELD, f"{where} holds a negative expert id {int(array.min())}")
+    return RouteMatrix(array)
+
+
+register_codec(RouteMatrix, _encode_routes, _decode_routes)
+
+
+# ------------------------------------------------------------- startup
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHello:
+    OP: ClassVar[str] = "gpu_hello"
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuWelcome:
+    """What the worker needs to read slots: the slab and its geometry."""
+
+    OP: ClassVar[str] = "gpu_welcome"
+    slab_name: str
+    total_slots: int
+    slot_bytes: int
+    working_slots: int
+    block_size: int  # the store's alignment; layouts depend on it
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReady:
+    OP: ClassVar[str] = "gpu_ready"
+    pid: int
+    dense_bytes: int
+    sparse_layers: tuple[int, ...] = wire(max_items=4096)
+    wrap_path: str = "copy"  # "zero_copy" where Metal wraps slots without copying
+
+
+# ------------------------------------------------------- lease protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """One sparse layer's router output for the rows of this forward pass."""
+
+    OP: ClassVar[str] = "routes"
+    layer: int
+    routes: RouteMatrix
+    fence: int | None = None  # lease id of the previous layer's last wave, now done
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One wave: `experts[i]` is readable in `slots[i]` at `generations[i]` until fenced."""
+
+    OP: ClassVar[str] = "lease"
+    lease_id: int
+    layer: int
+    wave: int
+    waves: int
+    experts: tuple[int, ...] = wire(max_items=MAX_WAVE_EXPERTS)
+    slots: tuple[int, ...] = wire(max_items=MAX_WAVE_EXPERTS)
+    generations: tuple[int, ...] = wire(max_items=MAX_WAVE_EXPERTS)
+    hits: int = 0  # how many of the wave's experts were already resident
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The worker no longer reads any slot of `lease_id`."""
+
+    OP: ClassVar[str] = "fence"
+    lease_id: int
+    next: bool = False  # True: lease the same layer visit's next wave
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    OP: ClassVar[str] = "fenced"
+    lease_id: int
+
+
+# ----------------------------------------------------------- generation
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """Generate up to `max_tokens` tokens; `prompt_tokens` wins over `prompt`."""
+
+    OP: ClassVar[str] = "job"
+    job_id: int
+    prompt: str | None = wire(default=None, max_len=1 << 20)
+    prompt_tokens: tuple[int, ...] | None = wire(default=None, max_items=1 << 20)
+    max_tokens: int = wire(default=64, minimum=1, maximum=1 << 20)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    return_logprobs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class JobCancel:
+    OP: ClassVar[str] = "job_cancel"
+    job_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    OP: ClassVar[str] = "token"
+    job_id: int
+    index: int
+    token: int
+    text: str = ""
+    elapsed_ms: float = 0.0  # since the previous token (or since the job began)
+    logprobs: bytes | None = None  # float32 little-endian, vocabulary-sized, when asked for
+
+
+@dataclass(frozen=True, slots=True)
+class JobDone:
+    OP: ClassVar[str] = "job_done"
+    job_id: int
+    tokens: tuple[int, ...] = wire(max_items=1 << 20)
+    text: str = wire(default="", max_len=1 << 24)
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    finish_reason: str = "length"  # "length" | "stop" | "cancelled"
+    wrap_path: str = "copy"
+    bytes_copied: int = 0
+    copy_ms: float = 0.0
+    lease_wait_ms: float = 0.0  # time spent waiting for lease replies
+
+
+@dataclass(frozen=True, slots=True)
+class JobError:
+    OP: ClassVar[str] = "job_error"
+    job_id: int
+    code: str
+    message: str
+
+
+GPU_WORKER_ACCEPTS = make_registry(GpuWelcome, Lease, Fenced, Job, JobCancel, ErrorReply)
+"""Ops the GPU worker accepts from the coordinator."""
+
+COORDINATOR_ACCEPTS_FROM_GPU = make_registry(GpuHello, GpuReady, Routes, Fence, Token, JobDone, JobError, ErrorReply)
+"""Ops the coordinator accepts from the GPU worker."""

@@ -1,0 +1,170 @@
+"""Messages between clients (DEALER) and the coordinator's job front door (ROUTER).
+
+    client `generate` → coord `token`… then `done` (with stats) or `error`;
+                        or at once `busy` when the queue is full
+    client `cancel`   → coord `error` (code "cancelled") for that job, or
+                        `error` (code "unknown_job")
+    client `stats`    → coord `stats_reply` (cumulative)
+    client `health`   → coord `health_reply`
+
+Every reply names the request `id` the client chose. A frame that is not
+msgpack is dropped (there is nothing to answer); a map with an unknown op, a
+missing or wrongly typed field gets `error` with `id` when one could be read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from shared.protocol import ErrorReply, make_registry, wire
+
+MAX_PROMPT_CHARS = 1 << 20
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_ID_CHARS = 128
+
+# error codes of `error` replies beyond shared.protocol's generic ones
+CANCELLED = "cancelled"
+UNKNOWN_JOB = "unknown_job"
+PROMPT_TOO_LONG = "prompt_too_long"
+WORKER_FAILED = "worker_failed"
+PRESSURE = "memory_pressure"
+SHUTTING_DOWN = "shutting_down"
+
+
+# ------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """A generation job; exactly one of `prompt` and `prompt_tokens`."""
+
+    OP: ClassVar[str] = "generate"
+    id: str = wire(max_len=MAX_ID_CHARS)
+    prompt: str | None = wire(default=None, max_len=MAX_PROMPT_CHARS)
+    prompt_tokens: tuple[int, ...] | None = wire(default=None, max_items=MAX_PROMPT_TOKENS)
+    max_tokens: int = wire(default=64, minimum=1, maximum=1 << 20)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    return_logprobs: bool = False  # testing aid: each `token` carries the step's log-probabilities
+
+
+@dataclass(frozen=True, slots=True)
+class CancelJob:
+    OP: ClassVar[str] = "cancel"
+    id: str = wire(max_len=MAX_ID_CHARS)
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRequest:
+    OP: ClassVar[str] = "stats"
+    id: str = wire(default="", max_len=MAX_ID_CHARS)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthRequest:
+    OP: ClassVar[str] = "health"
+    id: str = wire(default="", max_len=MAX_ID_CHARS)
+
+
+# -------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True, slots=True)
+class JobStats:
+    """Per job in `done`; cumulative in `stats_reply`."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0
+    all_resident: float = 0.0  # fraction of layer visits whose k experts were all resident
+    bytes_read: int = 0
+    disk_p50_ms: float = 0.0
+    disk_p99_ms: float = 0.0
+    wait_p50_ms: float = 0.0
+    wait_p99_ms: float = 0.0
+    evictions: int = 0
+    pressure_evictions: int = 0
+    repin_swaps: int = 0
+    hints_submitted: int = 0
+    hints_dropped: int = 0
+    hints_skipped_resident: int = 0
+    wrap_path: str = "copy"
+    bytes_copied: int = 0
+    footprint_bytes: int = 0
+    peak_footprint_bytes: int = 0
+    budget_bytes: int = 0
+    io_fallback_ops: int = 0  # reads served buffered because O_DIRECT was refused
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    OP: ClassVar[str] = "token"
+    id: str
+    index: int
+    token: int
+    text: str = ""
+    logprobs: bytes | None = None  # float32 little-endian, vocabulary-sized, when asked for
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    OP: ClassVar[str] = "done"
+    id: str
+    tokens: tuple[int, ...] = wire(max_items=1 << 20)
+    text: str = wire(default="", max_len=1 << 24)
+    finish_reason: str = "length"
+    stats: JobStats = field(default_factory=JobStats)
+
+
+@dataclass(frozen=True, slots=True)
+class JobFailed:
+    """`error` with the job's id (the generic ErrorReply has none)."""
+
+    OP: ClassVar[str] = "error"
+    code: str
+    message: str
+    id: str = ""  # empty when the request's id could not be read
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    OP: ClassVar[str] = "busy"
+    id: str
+    queued: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReply:
+    OP: ClassVar[str] = "stats_reply"
+    id: str
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    queued: int = 0
+    running: str | None = None
+    stats: JobStats = field(default_factory=JobStats)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReply:
+    OP: ClassVar[str] = "health_reply"
+    id: str
+    ready: bool
+    pid: int = 0
+    io_workers: int = 0
+    gpu_worker: bool = False
+    accepting: bool = True
+
+
+COORDINATOR_ACCEPTS_FROM_CLIENTS = make_registry(Generate, CancelJob, StatsRequest, HealthRequest)
+"""Ops the job front door accepts."""
+
+CLIENT_ACCEPTS = make_registry(TokenEvent, Done, JobFailed, Busy, StatsReply, HealthReply)
+"""Ops a client accepts (JobFailed decodes every `error`, with or without id)."""
+
+__all__ = [name for name in dir() if not name.startswith("_")] + ["ErrorReply"]
