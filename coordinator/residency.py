@@ -15,8 +15,6 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 from coordinator.residency_plan import (  # noqa: F401  (re-exported API)
     DEFAULT_EXPERT_WORKING_SLOTS,
@@ -36,8 +34,10 @@ from coordinator.residency_plan import (  # noqa: F401  (re-exported API)
     require_int,
     summarize_expert_latencies,
 )
+from coordinator.slot_table import SlotRecord, SlotTable
 from coordinator.residency_types import (  # noqa: F401  (re-exported API)
     Classification,
+    IOCounters,
     ExpertDemandTelemetry,
     ExpertHintTelemetry,
     ExpertPolicyTelemetry,
@@ -50,46 +50,9 @@ from coordinator.residency_types import (  # noqa: F401  (re-exported API)
     StaleLeaseError,
 )
 
-SlotRole = Literal["working", "layer", "pinned", "disabled"]
-SlotPhase = Literal["idle", "loading", "ready", "leased"]
 Locate = Callable[[int, int], ExpertResidencyLocation]
 RouteObserver = Callable[[int, object], None]
 BeforeMissSubmit = Callable[[tuple[ExpertResidencyLeaseEntry, ...]], Awaitable[None] | None]
-
-
-@dataclass(slots=True, eq=False)
-class _SlotRecord:
-    id: int
-    role: SlotRole
-    layer: int | None
-    phase: SlotPhase = "idle"
-    expert_id: int | None = None
-    generation: int = 0
-    last_use: int = 0
-
-
-@dataclass(slots=True)
-class _IOCounters:
-    """Telemetry accumulated between two drains of one classification."""
-
-    hits: int = 0
-    misses: int = 0
-    loads: int = 0
-    read_operations: int = 0
-    read_bytes: int = 0
-    disk_service_ms: list[float] = field(default_factory=list)
-    foreground_wait_ms: list[float] = field(default_factory=list)
-
-    def drain(self) -> ExpertDemandTelemetry:
-        return ExpertDemandTelemetry(
-            hits=self.hits,
-            misses=self.misses,
-            loads=self.loads,
-            read_operations=self.read_operations,
-            read_bytes=self.read_bytes,
-            disk_service=summarize_expert_latencies(self.disk_service_ms),
-            foreground_wait=summarize_expert_latencies(self.foreground_wait_ms),
-        )
 
 
 class ExpertBatchLease:
@@ -165,7 +128,6 @@ class ExpertResidencyManager:
         self._route_observer = route_observer
         self._pinned = pins
         self._pinned_keys = set(pins)
-        self._lookup: dict[tuple[int, int], int] = {}
         self._active = False
         self._clock = 0
         self._generation = 0
@@ -174,8 +136,8 @@ class ExpertResidencyManager:
         self._evictions = 0
         self._pressure_evictions = 0
         self._repin_swaps = 0
-        self._demand = _IOCounters()
-        self._policy = _IOCounters()
+        self._demand = IOCounters()
+        self._policy = IOCounters()
         self._hint_candidates = 0
         self._hint_resident_skipped = 0
         self._hint_submit_errors = 0
@@ -183,17 +145,20 @@ class ExpertResidencyManager:
 
         # Slot ids are laid out working bank first, then each layer's LRU, then
         # pins; roles move between ids later, the ids themselves never do.
-        self._slots: list[_SlotRecord] = []
-        self._working: set[int] = set()
-        self._layer_slots: dict[int, set[int]] = {}
+        self._table = SlotTable(backend)
+        # Aliases of the table's indexes, for the policy code below.
+        self._slots = self._table.slots
+        self._working = self._table.working
+        self._layer_slots = self._table.layer_slots
+        self._lookup = self._table.lookup
         for _ in range(plan.working_slots):
-            self._working.add(self._new_slot("working", None).id)
+            self._working.add(self._table.new_slot("working", None).id)
         for layer in layer_ids:
             self._layer_slots[layer] = {
-                self._new_slot("layer", layer).id for _ in range(plan.slots_per_layer)
+                self._table.new_slot("layer", layer).id for _ in range(plan.slots_per_layer)
             }
         while len(self._slots) < plan.total_slots:
-            self._new_slot("pinned", None)
+            self._table.new_slot("pinned", None)
 
     # -- the demand path ---------------------------------------------------
 
@@ -229,7 +194,7 @@ class ExpertResidencyManager:
         counters = self._demand if classification == "demand" else self._policy
         self._active = True
         entries: list[ExpertResidencyLeaseEntry] = []
-        loaded: list[_SlotRecord] = []
+        loaded: list[SlotRecord] = []
         try:
             for expert in unique:
                 slot = self._lookup.get((layer, expert))
@@ -242,7 +207,7 @@ class ExpertResidencyManager:
                 record.phase = "leased"
                 self._clock += 1
                 record.last_use = self._clock
-                entries.append(self._entry(record, hit=True))
+                entries.append(self._table.entry(record, hit=True))
 
             hit_ids = {entry.expert_id for entry in entries}
             misses = [expert for expert in unique if expert not in hit_ids]
@@ -261,7 +226,7 @@ class ExpertResidencyManager:
             submitted_at: dict[int, float] = {}
             for expert, record in zip(misses, scratch):
                 if record.phase == "ready":
-                    self._forget(record)
+                    self._table.forget(record)
                 location = self._locate(layer, expert)
                 if location.layer != layer or location.expert_id != expert:
                     raise ResidencyError(
@@ -298,7 +263,7 @@ class ExpertResidencyManager:
                     record.phase = "leased"
                     self._clock += 1
                     record.last_use = self._clock
-                    entries.append(self._entry(record, hit=False))
+                    entries.append(self._table.entry(record, hit=False))
             if failure is not None:
                 raise failure
         except BaseException as error:
@@ -340,13 +305,13 @@ class ExpertResidencyManager:
                 record.phase = "ready"
             except Exception as error:  # noqa: BLE001 - collected and re-raised below
                 errors.append(error)
-                self._disable(record)
+                self._table.disable(record)
         if errors:
             for entry in entries:
                 record = self._slots[entry.slot]
                 if entry.hit or record.phase != "ready":
                     continue
-                self._try_forget(record, errors)
+                self._table.try_forget(record, errors)
             self._active = False
             raise ExceptionGroup("expert lease release failed", errors)
 
@@ -360,20 +325,20 @@ class ExpertResidencyManager:
                         (s for s in self._slots if s.role == "pinned" and s.phase == "idle"), None
                     )
                     if target is not None:
-                        self._swap_roles(record, target, "pinned", None)
+                        self._table.swap_roles(record, target, "pinned", None)
                         promoted.add(record.id)
                         continue
-                target = self._layer_victim(entry.layer, protected)
+                target = self._table.layer_victim(entry.layer, protected)
                 if target is None:
                     continue
                 if target.phase == "ready":
-                    self._forget(target, keep_layer=True)
+                    self._table.forget(target, keep_layer=True)
                     self._evictions += 1
-                self._swap_roles(record, target, "layer", entry.layer)
+                self._table.swap_roles(record, target, "layer", entry.layer)
                 promoted.add(record.id)
             for entry in misses:
                 if entry.slot not in promoted:
-                    self._forget(self._slots[entry.slot])
+                    self._table.forget(self._slots[entry.slot])
         finally:
             self._active = False
 
@@ -399,9 +364,9 @@ class ExpertResidencyManager:
                 break
             victim = min(candidates, key=lambda record: (record.last_use, record.id))
             layer = victim.layer
-            self._forget(victim)
+            self._table.forget(victim)
             self._layer_slots[layer].discard(victim.id)
-            victim.role = "disabled"
+            victim.role, victim.layer = "disabled", None
             self._pressure_evictions += 1
             footprint = self._backend.physical_footprint()
         if footprint > self.plan.budget_bytes:
@@ -507,12 +472,12 @@ class ExpertResidencyManager:
 
     def drain_demand_telemetry(self) -> ExpertDemandTelemetry:
         """Return and reset the model forward's I/O telemetry."""
-        telemetry, self._demand = self._demand.drain(), _IOCounters()
+        telemetry, self._demand = self._demand.drain(), IOCounters()
         return telemetry
 
     def drain_policy_telemetry(self) -> ExpertPolicyTelemetry:
         """Return and reset preload / live-repin I/O, kept apart from demand."""
-        telemetry, self._policy = self._policy.drain(), _IOCounters()
+        telemetry, self._policy = self._policy.drain(), IOCounters()
         return telemetry
 
     def drain_hint_telemetry(self) -> ExpertHintTelemetry:
@@ -571,7 +536,7 @@ class ExpertResidencyManager:
                 continue
             if record.layer is None or record.expert_id is None:
                 continue
-            usage = self._usage.entry(record.layer, record.expert_id) if self._usage else None
+            usage = self._usage.entry(record.layer, record.expert_id) if self._usage is not None else None
             result.append(
                 ExpertResidencyMapEntry(
                     slot=record.id,
@@ -595,21 +560,6 @@ class ExpertResidencyManager:
 
     # -- internals ---------------------------------------------------------
 
-    def _new_slot(self, role: SlotRole, layer: int | None) -> _SlotRecord:
-        record = _SlotRecord(id=len(self._slots), role=role, layer=layer)
-        self._slots.append(record)
-        return record
-
-    def _entry(self, record: _SlotRecord, *, hit: bool) -> ExpertResidencyLeaseEntry:
-        assert record.layer is not None and record.expert_id is not None
-        return ExpertResidencyLeaseEntry(
-            layer=record.layer,
-            expert_id=record.expert_id,
-            slot=record.id,
-            generation=record.generation,
-            hit=hit,
-        )
-
     def _require_safe_point(self, what: str) -> None:
         if self._active:
             raise ResidencyError(f"{what} requires a model safe point (a wave is active)")
@@ -618,114 +568,101 @@ class ExpertResidencyManager:
         telemetry = getattr(self._backend, "hint_telemetry", None)
         return telemetry() if telemetry is not None else EMPTY_HINT_SNAPSHOT
 
-    async def _timed_wait(self, record: _SlotRecord, submitted_at: float, counters: _IOCounters) -> None:
+    async def _timed_wait(self, record: SlotRecord, submitted_at: float, counters: IOCounters) -> None:
         try:
             await self._backend.wait(record.id, record.generation)
         finally:
             counters.disk_service_ms.append((time.perf_counter() - submitted_at) * 1e3)
 
-    def _forget(self, record: _SlotRecord, *, keep_layer: bool = False) -> None:
-        """Discard a ready slot's contents and its lookup entry; it becomes idle."""
-        if record.layer is not None and record.expert_id is not None:
-            if self._lookup.get((record.layer, record.expert_id)) == record.id:
-                del self._lookup[(record.layer, record.expert_id)]
-        self._backend.discard(record.id, record.generation)
-        record.phase = "idle"
-        record.expert_id = None
-        if not keep_layer and record.role != "layer":
-            record.layer = None
+    async def _drain(self, record: SlotRecord) -> asyncio.CancelledError | None:
+        """Wait until a cancelled load has ended, whatever the read's outcome.
 
-    def _try_forget(self, record: _SlotRecord, errors: list[BaseException]) -> None:
-        try:
-            self._forget(record)
-        except Exception as error:  # noqa: BLE001 - collected by the caller
-            errors.append(error)
-            self._disable(record)
-
-    def _layer_victim(self, layer: int, protected: set[int]) -> _SlotRecord | None:
-        """The layer's slot a promoted miss replaces: idle first, then least recent."""
-        candidates = [
-            self._slots[i]
-            for i in self._layer_slots[layer]
-            if i not in protected and self._slots[i].phase in ("idle", "ready")
-        ]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda r: (r.phase != "idle", r.last_use, r.id))
-
-    def _swap_roles(
-        self,
-        loaded: _SlotRecord,
-        target: _SlotRecord,
-        role: Literal["layer", "pinned"],
-        layer: int | None,
-    ) -> None:
-        """Promote a ready working slot into `target`'s role; target joins the bank.
-
-        Only roles move: the loaded bytes stay in their slot, so no I/O happens.
+        Returns a cancellation of the caller that arrived meanwhile, for the
+        caller to re-raise once the manager is consistent again.
         """
-        if loaded.role != "working" or loaded.phase != "ready" or target.phase != "idle":
-            raise ResidencyError(
-                f"expert promotion requires a ready working slot and an idle destination "
-                f"(slot {loaded.id} {loaded.role}/{loaded.phase}, slot {target.id} {target.role}/{target.phase})"
-            )
-        self._working.discard(loaded.id)
-        self._working.add(target.id)
-        target.role, target.layer, target.expert_id = "working", None, None
-        loaded.role = role
-        if role == "layer":
-            assert layer is not None
-            loaded.layer = layer
-            self._layer_slots[layer].discard(target.id)
-            self._layer_slots[layer].add(loaded.id)
-
-    def _disable(self, record: _SlotRecord) -> None:
-        """Retire a slot whose state the backend could not confirm."""
-        if record.layer is not None and record.expert_id is not None:
-            if self._lookup.get((record.layer, record.expert_id)) == record.id:
-                del self._lookup[(record.layer, record.expert_id)]
-        self._working.discard(record.id)
-        if record.layer is not None and record.layer in self._layer_slots:
-            self._layer_slots[record.layer].discard(record.id)
-        record.role = "disabled"
-        record.layer = None
-        record.expert_id = None
+        drain = asyncio.ensure_future(self._backend.wait(record.id, record.generation))
+        cancelled = None
+        while not drain.done():
+            try:
+                await asyncio.shield(drain)
+            except asyncio.CancelledError as again:
+                if drain.done() and drain.cancelled():
+                    break
+                cancelled = again
+            except Exception:  # noqa: BLE001 - a cancelled or failed read still ends the load
+                break
+        if drain.done() and not drain.cancelled():
+            drain.exception()  # retrieved: the outcome is irrelevant here
+        return cancelled
 
     async def _abort_acquire(
         self,
         error: BaseException,
         entries: list[ExpertResidencyLeaseEntry],
-        loaded: list[_SlotRecord],
+        loaded: list[SlotRecord],
     ) -> None:
         """Undo a failed acquire and re-raise. No lease has left the coordinator
         yet, so releasing its slots here cannot race a reader."""
         errors: list[BaseException] = []
-        for entry in entries:
-            record = self._slots[entry.slot]
-            if record.phase == "leased":
-                try:
-                    self._backend.release_gpu_fenced(record.id, record.generation)
+        cancelled: asyncio.CancelledError | None = None
+        try:
+            for entry in entries:
+                record = self._slots[entry.slot]
+                if record.phase == "leased":
+                    try:
+                        self._backend.release_gpu_fenced(record.id, record.generation)
+                        record.phase = "ready"
+                    except Exception as cleanup_error:  # noqa: BLE001
+                        errors.append(cleanup_error)
+                        self._table.disable(record)
+            for record in loaded:
+                if record.role == "disabled":
+                    continue
+                if record.phase == "loading":
+                    try:
+                        self._backend.cancel(record.id, record.generation)
+                    except Exception as cleanup_error:  # noqa: BLE001 - the load may have finished
+                        errors.append(cleanup_error)
+                    # The slot must be quiescent before it can be reused, so the
+                    # drain outlasts a further cancellation; that one re-raises below.
+                    cancelled = await self._drain(record) or cancelled
                     record.phase = "ready"
-                except Exception as cleanup_error:  # noqa: BLE001
-                    errors.append(cleanup_error)
-                    self._disable(record)
-        for record in loaded:
-            if record.role == "disabled":
-                continue
-            if record.phase == "loading":
-                try:
-                    self._backend.cancel(record.id, record.generation)
-                except Exception as cleanup_error:  # noqa: BLE001 - the load may have finished
-                    errors.append(cleanup_error)
-                try:
-                    # Drain: the slot must be quiescent before it can be reused.
-                    await self._backend.wait(record.id, record.generation)
-                except Exception:  # noqa: BLE001 - a cancelled or failed read still ends the load
-                    pass
-                record.phase = "ready"
-            if record.phase == "ready":
-                self._try_forget(record, errors)
-        self._active = False
+                if record.phase == "ready":
+                    self._table.try_forget(record, errors)
+        finally:
+            self._active = False
+        if cancelled is not None and not isinstance(error, asyncio.CancelledError):
+            raise cancelled from error  # the caller asked to stop; the load error rides along
         if errors:
             raise BaseExceptionGroup("expert acquire failed and cleanup was incomplete", [error, *errors])
         raise error
+
+
+__all__ = [
+    "DEFAULT_EXPERT_WORKING_SLOTS",
+    "ExpertBatchLease",
+    "ExpertDemandTelemetry",
+    "ExpertHintTelemetry",
+    "ExpertIOHintSegment",
+    "ExpertIOHintSnapshot",
+    "ExpertIOSegment",
+    "ExpertLatencySummary",
+    "ExpertPolicyTelemetry",
+    "ExpertRepinEvent",
+    "ExpertResidencyBackend",
+    "ExpertResidencyLeaseEntry",
+    "ExpertResidencyLocation",
+    "ExpertResidencyManager",
+    "ExpertResidencyMapEntry",
+    "ExpertResidencyPlan",
+    "ExpertResidencySnapshot",
+    "ExpertUnionEntry",
+    "ExpertUnionWave",
+    "ResidencyError",
+    "ResidencyPressureError",
+    "StaleLeaseError",
+    "build_expert_batch_union",
+    "build_expert_hint_segments",
+    "plan_expert_residency",
+    "summarize_expert_latencies",
+]

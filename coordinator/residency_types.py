@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from coordinator.residency_plan import ExpertLatencySummary
+from coordinator.residency_plan import ExpertLatencySummary, summarize_expert_latencies
 
 Classification = Literal["demand", "policy"]
 
@@ -84,6 +84,30 @@ class ExpertDemandTelemetry:
 
 
 ExpertPolicyTelemetry = ExpertDemandTelemetry
+
+
+@dataclass(slots=True)
+class IOCounters:
+    """Telemetry accumulated between two drains of one classification."""
+
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    read_operations: int = 0
+    read_bytes: int = 0
+    disk_service_ms: list[float] = field(default_factory=list)
+    foreground_wait_ms: list[float] = field(default_factory=list)
+
+    def drain(self) -> ExpertDemandTelemetry:
+        return ExpertDemandTelemetry(
+            hits=self.hits,
+            misses=self.misses,
+            loads=self.loads,
+            read_operations=self.read_operations,
+            read_bytes=self.read_bytes,
+            disk_service=summarize_expert_latencies(self.disk_service_ms),
+            foreground_wait=summarize_expert_latencies(self.foreground_wait_ms),
+        )
 
 
 @dataclass(frozen=True, slots=True)

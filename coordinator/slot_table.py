@@ -1,0 +1,123 @@
+"""Slot bookkeeping of the residency manager: roles, phases, the expert lookup.
+
+The manager decides *when* a slot changes; this table keeps the records
+consistent while it does (the lookup only ever maps ready or leased slots,
+a layer's slot set and the working bank partition the live slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from coordinator.residency_plan import ExpertResidencyBackend
+from coordinator.residency_types import ExpertResidencyLeaseEntry, ResidencyError
+
+SlotRole = Literal["working", "layer", "pinned", "disabled"]
+SlotPhase = Literal["idle", "loading", "ready", "leased"]
+
+
+@dataclass(slots=True, eq=False)
+class SlotRecord:
+    """One slab slot: its role, phase and the expert it holds (if any)."""
+
+    id: int
+    role: SlotRole
+    layer: int | None
+    phase: SlotPhase = "idle"
+    expert_id: int | None = None
+    generation: int = 0
+    last_use: int = 0
+
+
+class SlotTable:
+    """Every slot record plus the indexes the policy consults."""
+
+    def __init__(self, backend: ExpertResidencyBackend) -> None:
+        self.backend = backend
+        self.slots: list[SlotRecord] = []
+        self.working: set[int] = set()
+        self.layer_slots: dict[int, set[int]] = {}
+        self.lookup: dict[tuple[int, int], int] = {}
+
+    def new_slot(self, role: SlotRole, layer: int | None) -> SlotRecord:
+        record = SlotRecord(id=len(self.slots), role=role, layer=layer)
+        self.slots.append(record)
+        return record
+
+    def entry(self, record: SlotRecord, *, hit: bool) -> ExpertResidencyLeaseEntry:
+        assert record.layer is not None and record.expert_id is not None
+        return ExpertResidencyLeaseEntry(
+            layer=record.layer,
+            expert_id=record.expert_id,
+            slot=record.id,
+            generation=record.generation,
+            hit=hit,
+        )
+
+    def forget(self, record: SlotRecord, *, keep_layer: bool = False) -> None:
+        """Discard a ready slot's contents and its lookup entry; it becomes idle."""
+        if record.layer is not None and record.expert_id is not None:
+            if self.lookup.get((record.layer, record.expert_id)) == record.id:
+                del self.lookup[(record.layer, record.expert_id)]
+        self.backend.discard(record.id, record.generation)
+        record.phase = "idle"
+        record.expert_id = None
+        if not keep_layer and record.role != "layer":
+            record.layer = None
+
+    def try_forget(self, record: SlotRecord, errors: list[BaseException]) -> None:
+        try:
+            self.forget(record)
+        except Exception as error:  # noqa: BLE001 - collected by the caller
+            errors.append(error)
+            self.disable(record)
+
+    def layer_victim(self, layer: int, protected: set[int]) -> SlotRecord | None:
+        """The layer's slot a promoted miss replaces: idle first, then least recent."""
+        candidates = [
+            self.slots[i]
+            for i in self.layer_slots[layer]
+            if i not in protected and self.slots[i].phase in ("idle", "ready")
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (r.phase != "idle", r.last_use, r.id))
+
+    def swap_roles(
+        self,
+        loaded: SlotRecord,
+        target: SlotRecord,
+        role: Literal["layer", "pinned"],
+        layer: int | None,
+    ) -> None:
+        """Promote a ready working slot into `target`'s role; target joins the bank.
+
+        Only roles move: the loaded bytes stay in their slot, so no I/O happens.
+        """
+        if loaded.role != "working" or loaded.phase != "ready" or target.phase != "idle":
+            raise ResidencyError(
+                f"expert promotion requires a ready working slot and an idle destination "
+                f"(slot {loaded.id} {loaded.role}/{loaded.phase}, slot {target.id} {target.role}/{target.phase})"
+            )
+        self.working.discard(loaded.id)
+        self.working.add(target.id)
+        target.role, target.layer, target.expert_id = "working", None, None
+        loaded.role = role
+        if role == "layer":
+            assert layer is not None
+            loaded.layer = layer
+            self.layer_slots[layer].discard(target.id)
+            self.layer_slots[layer].add(loaded.id)
+
+    def disable(self, record: SlotRecord) -> None:
+        """Retire a slot whose state the backend could not confirm."""
+        if record.layer is not None and record.expert_id is not None:
+            if self.lookup.get((record.layer, record.expert_id)) == record.id:
+                del self.lookup[(record.layer, record.expert_id)]
+        self.working.discard(record.id)
+        if record.layer is not None and record.layer in self.layer_slots:
+            self.layer_slots[record.layer].discard(record.id)
+        record.role = "disabled"
+        record.layer = None
+        record.expert_id = None
