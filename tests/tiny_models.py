@@ -5,6 +5,10 @@ Every model is built with mlx-lm's own classes, quantized with
 `save_config`, so `mlx_lm.load` runs it unchanged and its generation is the
 oracle for ours. `layout="per_expert"` rewrites the routed experts under their
 one-tensor-per-expert Hugging Face names (what `sanitize` stacks on load).
+
+The byte-level tokenizer and the seeded model construction (including random
+routers for families whose router mlx-lm initialises to zeros) are shared with
+the demo model and live in `shared/demo_model.py`.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
+
+from shared.demo_model import (  # noqa: F401  (re-exported: tests import them from here)
+    EOS_TOKEN_ID,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    build_model,
+    write_tokenizer,
+)
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 PER_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
-
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
-EOS_TOKEN_ID = 256  # bytes take ids 0..255, the special tokens follow
-VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 _COMMON = {
     "vocab_size": VOCAB_SIZE,
@@ -159,31 +167,18 @@ def build_tiny_model(
 ):
     """(model, config) built, cast and quantized the way `mlx_lm.convert` does it.
 
-    Seeds MLX's global random state with `seed` (the weights are its draws).
+    Seeds MLX's global random state with `seed` (the weights are its draws);
+    routers mlx-lm initialises to zeros (deepseek_v3) get seeded random values
+    so routing varies from token to token.
 
     bits/group_size default to the mode's (affine: 4 and 64); quant_predicate
     is `quantize_model`'s (path, module) -> bool | dict, for mixed precision;
     global_scale gives nvfp4 switch layers one tensor scale per expert.
     """
-    from mlx_lm.utils import _get_classes, quantize_model
+    from mlx_lm.utils import quantize_model
 
     config = tiny_config(family, torch_dtype=dtype, **overrides)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
-    # Same cast as mlx_lm.convert (it skips e.g. deepseek's e_score_correction_bias).
-    cast = getattr(model, "cast_predicate", lambda _: True)
-    target = getattr(mx, dtype)
-    model.update(
-        tree_map_with_path(
-            lambda key, value: (
-                value.astype(target)
-                if cast(key) and mx.issubdtype(value.dtype, mx.floating)
-                else value
-            ),
-            model.parameters(),
-        )
-    )
+    model = build_model(config, seed=seed)
     if quantized:
         with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints bits per weight
             model, config = quantize_model(
@@ -197,56 +192,6 @@ def build_tiny_model(
             )
     mx.eval(model.parameters())
     return model, config
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, the alphabet of byte-level BPE."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    mapping, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            mapping[byte] = chr(byte)
-        else:
-            mapping[byte] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-def write_tokenizer(path: str | Path) -> None:
-    """A byte-level tokenizer (one token per byte, then the special tokens), built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    path = Path(path)
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer.save(str(path / "tokenizer.json"))
-    template = (
-        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-        "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": SPECIAL_TOKENS[0],
-                "pad_token": SPECIAL_TOKENS[3],
-                "bos_token": None,
-                "add_bos_token": False,
-                "model_max_length": 2048,
-                "clean_up_tokenization_spaces": False,
-                "chat_template": template,
-            },
-            indent=2,
-        )
-    )
 
 
 def unstack_experts(weights: dict[str, mx.array], family: str) -> dict[str, mx.array]:
