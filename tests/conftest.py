@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import psutil
 import pytest
 
+from shared.slab import SLAB_NAME_PREFIX, SLAB_TAG_ENV
+
 SHM_DIR = Path("/dev/shm")
+# Every slab this test session (and the processes it spawns) creates carries this tag,
+# so concurrent runs on the same machine never look like our leaks.
+SESSION_TAG = os.environ.setdefault(SLAB_TAG_ENV, secrets.token_hex(3))
+OUR_PREFIX = f"{SLAB_NAME_PREFIX[1:]}{SESSION_TAG}-"
 
 
 def _shm_entries() -> set[str]:
     if not SHM_DIR.is_dir():  # macOS has no /dev/shm listing
         return set()
-    return {name for name in os.listdir(SHM_DIR) if not name.startswith("sem.")}
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(OUR_PREFIX)}
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,323 @@
+"""The I/O worker's readers: validated loads on reader threads, and the hint queue.
+
+The socket thread validates a `load` against the manifest and the slot, then
+queues it; `queue_depth` reader threads each run one load at a time through the
+shared native pool (GIL released), so `cancel` and `telemetry` are served while
+reads are in flight. Finished loads become `Loaded` replies that the socket
+thread collects after `notify()` wakes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment
+from native import STATUS_SHORT_READ, BypassFile, ReadPool, advise_willneed
+from shared.io_messages import HintStatus, Load, Loaded
+from shared.protocol import BAD_REQUEST, INTERNAL
+from shared.slab import Slab
+
+logger = logging.getLogger(__name__)
+
+CANCELLED = "cancelled"
+READ_FAILED = "read_failed"
+SHORT_READ = "short_read"
+
+
+class LoadRefused(ValueError):
+    """A load or hint whose values this worker will not act on."""
+
+
+def check_segments(
+    segments: Sequence[ExpertIOSegment | ExpertIOHintSegment],
+    files: Sequence[BypassFile],
+    *,
+    slot_bytes: int | None,
+) -> None:
+    """Raise LoadRefused naming the first segment value the manifest or slot refuses."""
+    if not segments:
+        raise LoadRefused("no segments")
+    for index, segment in enumerate(segments):
+        where = f"segment {index}"
+        if not 0 <= segment.file < len(files):
+            raise LoadRefused(f"{where}: file index {segment.file} is not in the manifest of {len(files)} files")
+        if segment.offset < 0:
+            raise LoadRefused(f"{where}: offset {segment.offset} is negative")
+        if segment.length <= 0:  # a zero-length advice would mean "to the end of the file"
+            raise LoadRefused(f"{where}: length {segment.length} must be positive")
+        file = files[segment.file]
+        if segment.offset + segment.length > file.size:
+            raise LoadRefused(
+                f"{where}: range [{segment.offset}, {segment.offset + segment.length}) of file "
+                f"{segment.file} ({file.path}) is beyond its size {file.size}"
+            )
+        if slot_bytes is None:
+            continue
+        destination = segment.destination  # type: ignore[union-attr]
+        if destination < 0 or destination + segment.length > slot_bytes:
+            raise LoadRefused(
+                f"{where}: destination [{destination}, {destination + segment.length}) is outside the "
+                f"slot of {slot_bytes} bytes"
+            )
+
+
+@dataclass(slots=True)
+class _Job:
+    load: Load
+    received: float
+    state: str = "queued"  # queued -> running -> done, or queued -> cancelled
+
+
+@dataclass(slots=True)
+class LoadCounters:
+    loads: int = 0
+    loads_failed: int = 0
+    cancelled: int = 0
+    cancel_misses: int = 0
+    bytes: int = 0
+    read_bytes: int = 0
+    read_ops: int = 0
+    service_ms: float = 0.0
+    fallback_ops: int = 0
+
+
+class LoadEngine:
+    """Loads into the slab on `queue_depth` reader threads over one native pool."""
+
+    def __init__(
+        self,
+        *,
+        files: Sequence[BypassFile],
+        slab: Slab,
+        block_size: int,
+        queue_depth: int,
+        notify: Callable[[], None],
+        delay_s: float = 0.0,
+    ) -> None:
+        self._files = tuple(files)
+        self._slab = slab
+        self._delay_s = delay_s  # fault injection for tests: a load that stays in flight
+        self._block_size = block_size
+        self._notify = notify
+        self._lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}  # slot -> its one queued or running job
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._done: deque[Loaded] = deque()
+        self.counters = LoadCounters()
+        self._pool = ReadPool(threads=queue_depth)
+        self._threads = [
+            threading.Thread(target=self._reader, name=f"reader-{i}", daemon=True) for i in range(queue_depth)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, load: Load) -> None:
+        """Queue a load, or raise LoadRefused naming the offending value."""
+        if not 0 <= load.slot < self._slab.total_slots:
+            raise LoadRefused(f"slot {load.slot} is outside the slab's {self._slab.total_slots} slots")
+        check_segments(load.segments, self._files, slot_bytes=self._slab.slot_bytes)
+        with self._lock:
+            busy = self._jobs.get(load.slot)
+            if busy is not None:
+                raise LoadRefused(
+                    f"slot {load.slot} already has load generation {busy.load.generation} {busy.state}"
+                )
+            job = _Job(load, time.monotonic())
+            self._jobs[load.slot] = job
+        self._queue.put(job)
+
+    def cancel(self, slot: int, generation: int) -> Loaded | None:
+        """Drop a queued load and return its `cancelled` reply; None if it is running or unknown."""
+        with self._lock:
+            job = self._jobs.get(slot)
+            if job is None or job.load.generation != generation or job.state != "queued":
+                if job is None or job.load.generation != generation:
+                    self.counters.cancel_misses += 1
+                return None
+            job.state = CANCELLED
+            del self._jobs[slot]
+            self.counters.cancelled += 1
+        return Loaded(slot=slot, generation=generation, ok=False, error=CANCELLED, code=CANCELLED)
+
+    def completions(self) -> list[Loaded]:
+        """Replies of loads finished since the last call."""
+        with self._lock:
+            done = list(self._done)
+            self._done.clear()
+        return done
+
+    def depth(self) -> tuple[int, int]:
+        """(queued, in flight) loads."""
+        with self._lock:
+            running = sum(1 for job in self._jobs.values() if job.state == "running")
+            return len(self._jobs) - running, running
+
+    def close(self) -> list[Loaded]:
+        """Cancel queued loads, let running ones finish, join the readers.
+
+        Returns the replies nobody has collected (cancellations included)."""
+        cancelled = []
+        with self._lock:
+            for slot, job in list(self._jobs.items()):
+                if job.state == "queued":
+                    job.state = CANCELLED
+                    del self._jobs[slot]
+                    cancelled.append(job.load)
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._pool.close()
+        replies = [
+            Loaded(slot=load.slot, generation=load.generation, ok=False, error=CANCELLED, code=CANCELLED)
+            for load in cancelled
+        ]
+        return replies + self.completions()
+
+    def _reader(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                if job.state != "queued":
+                    continue  # cancelled while queued
+                job.state = "running"
+            try:
+                reply = self._run(job)
+            except Exception as error:  # never lose a reply: the coordinator waits on it
+                logger.exception("load of slot %d generation %d crashed", job.load.slot, job.load.generation)
+                reply = Loaded(slot=job.load.slot, generation=job.load.generation, ok=False,
+                               error=f"internal error: {error!r}", code=INTERNAL)
+            with self._lock:
+                del self._jobs[job.load.slot]
+                self._done.append(reply)
+                self._count(reply)
+            self._notify()
+
+    def _count(self, reply: Loaded) -> None:
+        self.counters.loads += 1
+        self.counters.loads_failed += not reply.ok
+        self.counters.bytes += reply.bytes
+        self.counters.service_ms += reply.service_ms
+
+    def _run(self, job: _Job) -> Loaded:
+        load = job.load
+        if self._delay_s:
+            time.sleep(self._delay_s)
+        started = time.monotonic()
+        ops = [self._files[s.file].op(s.offset, s.length, s.destination) for s in load.segments]
+        view = self._slab.slot_view(load.slot)
+        try:
+            results = self._pool.read(view, ops, block_size=self._block_size)
+        except ValueError as error:  # alignment or overlap refused before any read
+            return Loaded(slot=load.slot, generation=load.generation, ok=False,
+                          error=f"segment layout refused (op i is segment i): {error}", code=BAD_REQUEST)
+        finally:
+            view.release()
+        finished = time.monotonic()
+        fallback = sum(1 for s in load.segments if self._files[s.file].fell_back)
+        with self._lock:
+            self.counters.read_ops += len(results)
+            self.counters.read_bytes += sum(r.transferred for r in results)
+            self.counters.fallback_ops += fallback
+        common = dict(
+            slot=load.slot,
+            generation=load.generation,
+            bytes=sum(r.delivered for r in results),
+            service_ms=(finished - started) * 1e3,
+            queued_ms=(started - job.received) * 1e3,
+        )
+        for segment, result in zip(load.segments, results):
+            if result.ok:
+                continue
+            file = self._files[segment.file]
+            return Loaded(
+                ok=False,
+                error=(
+                    f"read of file {segment.file} ({file.path}) at offset {segment.offset} length "
+                    f"{segment.length} failed: {result.describe()}"
+                ),
+                code=SHORT_READ if result.status == STATUS_SHORT_READ else READ_FAILED,
+                file=segment.file,
+                offset=segment.offset,
+                **common,
+            )
+        return Loaded(ok=True, **common)
+
+
+class HintQueue:
+    """A bounded queue of advisory readahead messages on one thread.
+
+    A message that finds the queue full is dropped and counted, never waited on."""
+
+    def __init__(self, *, files: Sequence[BypassFile], capacity: int, notify: Callable[[], None]) -> None:
+        self._files = tuple(files)
+        self._capacity = capacity
+        self._notify = notify
+        self._cond = threading.Condition()
+        self._pending: deque[tuple[ExpertIOHintSegment, ...]] = deque()
+        self._closing = False
+        self._counts = dict.fromkeys(("submitted", "completed", "dropped", "operations", "bytes", "errors"), 0)
+        self._in_flight = 0
+        self._thread = threading.Thread(target=self._run, name="hints", daemon=True)
+        self._thread.start()
+
+    def offer(self, segments: Sequence[ExpertIOHintSegment]) -> bool:
+        """Queue one hint message (validated, or LoadRefused); False when dropped."""
+        check_segments(segments, self._files, slot_bytes=None)
+        with self._cond:
+            self._counts["submitted"] += 1
+            if len(self._pending) >= self._capacity:
+                self._counts["dropped"] += 1
+                return False
+            self._pending.append(tuple(segments))
+            self._cond.notify()
+            return True
+
+    def status(self) -> HintStatus:
+        with self._cond:
+            return HintStatus(queue_depth=len(self._pending), in_flight=self._in_flight, **self._counts)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._pending.clear()
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                batch = self._pending.popleft()
+                self._in_flight = 1
+            operations = advised = errors = 0
+            for segment in batch:
+                try:
+                    advise_willneed(self._files[segment.file].fd, segment.offset, segment.length)
+                    advised += segment.length
+                except OSError as error:
+                    errors += 1
+                    logger.debug("hint on file %d at %d failed: %s", segment.file, segment.offset, error)
+                operations += 1
+            with self._cond:
+                self._in_flight = 0
+                self._counts["completed"] += 1
+                self._counts["operations"] += operations
+                self._counts["bytes"] += advised
+                self._counts["errors"] += errors
+            self._notify()
+
+
+__all__ = ["CANCELLED", "READ_FAILED", "SHORT_READ", "HintQueue", "LoadCounters", "LoadEngine", "LoadRefused",
+           "check_segments"]

@@ -1,0 +1,705 @@
+/*
+ * Cache-bypassing batched reads of file ranges into a mapped region.
+ *
+ * open_file()  opens a file with O_DIRECT (Linux) or F_NOCACHE (macOS); when
+ *              the filesystem refuses O_DIRECT it falls back to buffered reads
+ *              followed by posix_fadvise(DONTNEED), and says so in the mode it
+ *              returns.
+ * Pool.read()  runs a batch of (fd, file_offset, length, region_offset[, mode])
+ *              reads on a persistent pthread pool with the GIL released and
+ *              returns (status, delivered, transferred, service_ns) per read.
+ * advise()     WILLNEED / DONTNEED readahead advice (F_RDADVISE on macOS).
+ *
+ * Alignment contract (checked in every mode, so a layout that works buffered
+ * also works direct): the region address is a multiple of the block size,
+ * region_offset is congruent to file_offset modulo the block size, and the
+ * range rounded out to whole blocks lies inside the region. Direct reads write
+ * that whole rounded range (the slack holds neighbouring file bytes); other
+ * modes write only the requested bytes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <linux/fs.h>
+#endif
+
+enum { MODE_DIRECT = 0, MODE_NOCACHE = 1, MODE_DONTNEED = 2, MODE_BUFFERED = 3, MODE_COUNT = 4 };
+static const char *const MODE_NAMES[MODE_COUNT] = {"direct", "nocache", "dontneed", "buffered"};
+
+/* A read that hit end of file before every requested byte arrived. */
+#define STATUS_SHORT_READ (-1)
+#define MIN_BLOCK 512
+#define MAX_BLOCK (1 << 20)
+/* Linux caps one read at 0x7ffff000 bytes; stay well below, block aligned. */
+#define MAX_CHUNK ((int64_t)1 << 30)
+/* Keep every offset far from int64 overflow when rounding. */
+#define MAX_OFFSET ((int64_t)1 << 60)
+#define DONTNEED_PAGE ((int64_t)4096)
+
+static int64_t round_down(int64_t value, int64_t block) { return value - value % block; }
+static int64_t round_up(int64_t value, int64_t block) { return round_down(value + block - 1, block); }
+static int is_valid_block(long long block) {
+    return block >= MIN_BLOCK && block <= MAX_BLOCK && (block & (block - 1)) == 0;
+}
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------ open */
+
+static int set_nocache(int fd) {
+#ifdef __APPLE__
+    return fcntl(fd, F_NOCACHE, 1);
+#else
+    (void)fd;
+    errno = ENOTSUP;
+    return -1;
+#endif
+}
+
+/* Some filesystems accept O_DIRECT at open and refuse it at the first read:
+ * probe one block so the fallback happens here, not at the first load. */
+static int probe_direct(int fd, long long block) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) return errno;
+    if (st.st_size == 0) return 0;
+    void *buffer = NULL;
+    if (posix_memalign(&buffer, (size_t)block, (size_t)block) != 0) return ENOMEM;
+    int result = 0;
+    for (;;) {
+        ssize_t n = pread(fd, buffer, (size_t)block, 0);
+        if (n >= 0) break;
+        if (errno == EINTR) continue;
+        result = errno;
+        break;
+    }
+    free(buffer);
+    return result;
+}
+
+static PyObject *bypass_open(PyObject *module, PyObject *args, PyObject *kwargs) {
+    (void)module;
+    static char *kwlist[] = {"path", "mode", "block_size", "refuse_direct", NULL};
+    PyObject *path = NULL;
+    const char *requested = "auto";
+    long long block = 4096;
+    int refuse_direct = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&|sLp", kwlist, PyUnicode_FSConverter, &path,
+                                     &requested, &block, &refuse_direct))
+        return NULL;
+    const char *name = PyBytes_AS_STRING(path);
+    int want_bypass = strcmp(requested, "auto") == 0 || strcmp(requested, "direct") == 0;
+    int strict = strcmp(requested, "direct") == 0;
+    if (!want_bypass && strcmp(requested, "dontneed") != 0 && strcmp(requested, "buffered") != 0) {
+        PyErr_Format(PyExc_ValueError, "mode must be auto, direct, dontneed or buffered, got '%s'", requested);
+        Py_DECREF(path);
+        return NULL;
+    }
+    if (!is_valid_block(block)) {
+        PyErr_Format(PyExc_ValueError, "block_size must be a power of two in [%d, %d], got %lld",
+                     MIN_BLOCK, MAX_BLOCK, block);
+        Py_DECREF(path);
+        return NULL;
+    }
+    int fd = -1, mode = strcmp(requested, "buffered") == 0 ? MODE_BUFFERED : MODE_DONTNEED;
+    int error = 0, fallback_errno = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (want_bypass) {
+#if defined(O_DIRECT)
+        if (refuse_direct) {
+            fd = -1;
+            errno = EINVAL;
+        } else {
+            fd = open(name, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        }
+        if (fd >= 0) {
+            int probe = probe_direct(fd, block);
+            if (probe == 0) {
+                mode = MODE_DIRECT;
+            } else {
+                close(fd);
+                fd = -1;
+                errno = probe;
+            }
+        }
+        if (fd < 0) {
+            /* EINVAL is how Linux says "this filesystem does not do O_DIRECT". */
+            if (errno != EINVAL || strict) error = errno;
+            else fallback_errno = EINVAL;
+        }
+#elif defined(__APPLE__)
+        fd = open(name, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) error = errno;
+        else if (set_nocache(fd) == 0) mode = MODE_NOCACHE;
+        else if (strict) { error = errno; close(fd); fd = -1; }
+        else fallback_errno = errno;
+#else
+        if (strict) error = ENOTSUP;
+        else fallback_errno = ENOTSUP;
+#endif
+    }
+    if (fd < 0 && error == 0) {
+        fd = open(name, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) error = errno;
+    }
+    Py_END_ALLOW_THREADS
+    (void)set_nocache;
+    (void)fallback_errno;
+    if (error != 0) {
+        errno = error;
+        PyObject *path_str = PyUnicode_DecodeFSDefault(name);
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_str);
+        Py_XDECREF(path_str);
+        Py_DECREF(path);
+        return NULL;
+    }
+    Py_DECREF(path);
+#if !defined(POSIX_FADV_DONTNEED)
+    if (mode == MODE_DONTNEED) mode = MODE_BUFFERED; /* nothing to advise with: say so */
+#endif
+    return Py_BuildValue("(is)", fd, MODE_NAMES[mode]);
+}
+
+/* ---------------------------------------------------------------- advise */
+
+static int advise_range(int fd, int64_t offset, int64_t length, int willneed) {
+#if defined(POSIX_FADV_WILLNEED)
+    return posix_fadvise(fd, (off_t)offset, (off_t)length,
+                         willneed ? POSIX_FADV_WILLNEED : POSIX_FADV_DONTNEED);
+#elif defined(__APPLE__)
+    if (!willneed) return 0; /* macOS has no DONTNEED; F_NOCACHE already bypasses */
+    while (length > 0) {
+        int count = length > INT32_MAX ? INT32_MAX : (int)length;
+        struct radvisory advice = {.ra_offset = (off_t)offset, .ra_count = count};
+        if (fcntl(fd, F_RDADVISE, &advice) != 0) return errno;
+        offset += count;
+        length -= count;
+    }
+    return 0;
+#else
+    (void)fd; (void)offset; (void)length; (void)willneed;
+    return 0;
+#endif
+}
+
+static PyObject *bypass_advise(PyObject *module, PyObject *args, PyObject *kwargs) {
+    (void)module;
+    static char *kwlist[] = {"fd", "offset", "length", "advice", NULL};
+    int fd;
+    long long offset, length;
+    const char *advice;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iLLs", kwlist, &fd, &offset, &length, &advice))
+        return NULL;
+    int willneed = strcmp(advice, "willneed") == 0;
+    if (!willneed && strcmp(advice, "dontneed") != 0) {
+        PyErr_Format(PyExc_ValueError, "advice must be willneed or dontneed, got '%s'", advice);
+        return NULL;
+    }
+    if (offset < 0 || length < 0 || offset > MAX_OFFSET || length > MAX_OFFSET) {
+        PyErr_Format(PyExc_ValueError, "advise range must be non-negative, got offset %lld length %lld",
+                     offset, length);
+        return NULL;
+    }
+    int error;
+    Py_BEGIN_ALLOW_THREADS
+    error = advise_range(fd, offset, length, willneed);
+    Py_END_ALLOW_THREADS
+    if (error != 0) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ----------------------------------------------------------- block sizes */
+
+static PyObject *bypass_block_sizes(PyObject *module, PyObject *arg) {
+    (void)module;
+    long fd_value = PyLong_AsLong(arg);
+    if (fd_value == -1 && PyErr_Occurred()) return NULL;
+    if (fd_value < 0 || fd_value > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "fd must be a file descriptor, got %ld", fd_value);
+        return NULL;
+    }
+    int fd = (int)fd_value;
+    struct stat st;
+    struct statvfs vfs;
+    if (fstat(fd, &st) != 0 || fstatvfs(fd, &vfs) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    long long device_logical = -1;
+#if defined(BLKSSZGET)
+    if (S_ISBLK(st.st_mode)) {
+        int size = 0;
+        if (ioctl(fd, BLKSSZGET, &size) == 0) device_logical = size;
+    }
+#endif
+    return Py_BuildValue("{s:L,s:L,s:L,s:L}", "st_blksize", (long long)st.st_blksize, "f_bsize",
+                         (long long)vfs.f_bsize, "f_frsize", (long long)vfs.f_frsize, "device_logical",
+                         device_logical);
+}
+
+/* ------------------------------------------------------------------ pool */
+
+struct batch;
+
+typedef struct op {
+    struct op *next;
+    struct batch *batch;
+    char *region;
+    int64_t block, offset, length, dest;
+    int fd, mode, status;
+    int64_t delivered, transferred, ns;
+    /* rounded range in region coordinates, for validation */
+    int64_t astart, aend;
+} op_t;
+
+typedef struct batch {
+    int remaining;
+    pthread_cond_t done;
+} batch_t;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work;
+    op_t *head, *tail;
+    pthread_t *threads;
+    int nthreads;
+    int closing;
+    int joined;
+} PoolObject;
+
+static void run_op(op_t *op) {
+    int64_t started = now_ns();
+    int64_t block = op->block;
+    int aligned = op->mode == MODE_DIRECT;
+    int64_t want_end = op->offset + op->length;
+    int64_t start = aligned ? round_down(op->offset, block) : op->offset;
+    int64_t end = aligned ? round_up(want_end, block) : want_end;
+    /* Region address that corresponds to file position `start`. */
+    char *base = op->region + (op->dest - (op->offset - start));
+    int64_t pos = start, transferred = 0;
+    int status = 0;
+    while (pos < want_end) {
+        /* O_DIRECT needs every read to start on a block boundary, so after a
+         * short read we re-read from the block that holds `pos`. */
+        int64_t from = aligned ? round_down(pos, block) : pos;
+        int64_t count = end - from;
+        if (count > MAX_CHUNK) count = MAX_CHUNK;
+        ssize_t n = pread(op->fd, base + (from - start), (size_t)count, (off_t)from);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            status = errno;
+            break;
+        }
+        if (n == 0 || from + n <= pos) {
+            status = STATUS_SHORT_READ;
+            break;
+        }
+        transferred += n;
+        pos = from + n;
+    }
+#if defined(POSIX_FADV_DONTNEED)
+    /* The kernel drops only whole pages inside the range: round outward so
+     * the partial pages at either end do not stay cached. */
+    if (op->mode == MODE_DONTNEED) {
+        int64_t first = round_down(start, DONTNEED_PAGE), last = round_up(end, DONTNEED_PAGE);
+        posix_fadvise(op->fd, (off_t)first, (off_t)(last - first), POSIX_FADV_DONTNEED);
+    }
+#endif
+    int64_t got = pos - op->offset;
+    op->delivered = status == 0 ? op->length : (got < 0 ? 0 : (got > op->length ? op->length : got));
+    op->status = status;
+    op->transferred = transferred;
+    op->ns = now_ns() - started;
+}
+
+static void *pool_main(void *arg) {
+    PoolObject *pool = (PoolObject *)arg;
+    pthread_mutex_lock(&pool->mu);
+    for (;;) {
+        while (pool->head == NULL && !pool->closing) pthread_cond_wait(&pool->work, &pool->mu);
+        op_t *op = pool->head;
+        if (op == NULL) break; /* closing and drained */
+        pool->head = op->next;
+        if (pool->head == NULL) pool->tail = NULL;
+        pthread_mutex_unlock(&pool->mu);
+        run_op(op);
+        pthread_mutex_lock(&pool->mu);
+        batch_t *batch = op->batch; /* op may be freed once remaining hits 0 */
+        if (--batch->remaining == 0) pthread_cond_signal(&batch->done);
+    }
+    pthread_mutex_unlock(&pool->mu);
+    return NULL;
+}
+
+static void pool_shutdown(PoolObject *pool) {
+    if (pool->threads == NULL || pool->joined) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&pool->mu);
+    pool->closing = 1;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->mu);
+    for (int i = 0; i < pool->nthreads; i++) pthread_join(pool->threads[i], NULL);
+    Py_END_ALLOW_THREADS
+    pool->joined = 1;
+}
+
+static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"threads", NULL};
+    int threads = 4;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|i", kwlist, &threads)) return -1;
+    if (self->threads != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Pool is already initialised");
+        return -1;
+    }
+    if (threads < 1 || threads > 1024) {
+        PyErr_Format(PyExc_ValueError, "threads must be in [1, 1024], got %d", threads);
+        return -1;
+    }
+    self->threads = calloc((size_t)threads, sizeof(pthread_t));
+    if (self->threads == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_cond_init(&self->work, NULL);
+    /* Pool threads block every signal so Python's main thread receives them
+     * (and its poll is the one interrupted). */
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &previous);
+    int error = 0;
+    for (int i = 0; i < threads; i++) {
+        error = pthread_create(&self->threads[i], NULL, pool_main, self);
+        if (error != 0) break;
+        self->nthreads = i + 1;
+    }
+    pthread_sigmask(SIG_SETMASK, &previous, NULL);
+    if (error != 0) {
+        pool_shutdown(self);
+        errno = error;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+static void Pool_dealloc(PoolObject *self) {
+    if (self->threads != NULL) {
+        pool_shutdown(self);
+        pthread_cond_destroy(&self->work);
+        pthread_mutex_destroy(&self->mu);
+        free(self->threads);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int parse_i64(PyObject *item, Py_ssize_t index, const char *name, int64_t *out) {
+    long long value = PyLong_AsLongLong(item);
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "op %zd: %s must be an integer, got %R", index, name, item);
+        return -1;
+    }
+    if (value < 0 || value > MAX_OFFSET) {
+        PyErr_Format(PyExc_ValueError, "op %zd: %s must be in [0, 2**60], got %lld", index, name, value);
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
+static int parse_op(PyObject *item, Py_ssize_t index, op_t *op) {
+    PyObject *fast = PySequence_Fast(item, "op must be a sequence");
+    if (fast == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **fields = PySequence_Fast_ITEMS(fast);
+    int64_t fd = 0, mode = -1;
+    int rc = -1;
+    if (n != 4 && n != 5) {
+        PyErr_Format(PyExc_ValueError, "op %zd must be (fd, file_offset, length, region_offset[, mode]), got %R",
+                     index, item);
+        goto done;
+    }
+    if (parse_i64(fields[0], index, "fd", &fd) || parse_i64(fields[1], index, "file_offset", &op->offset) ||
+        parse_i64(fields[2], index, "length", &op->length) ||
+        parse_i64(fields[3], index, "region_offset", &op->dest))
+        goto done;
+    if (fd > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "op %zd: fd %lld is not a file descriptor", index, (long long)fd);
+        goto done;
+    }
+    op->fd = (int)fd;
+    if (n == 5) {
+        if (parse_i64(fields[4], index, "mode", &mode)) goto done;
+        if (mode >= MODE_COUNT) {
+            PyErr_Format(PyExc_ValueError, "op %zd: mode must be in [0, %d), got %lld", index, MODE_COUNT,
+                         (long long)mode);
+            goto done;
+        }
+        op->mode = (int)mode;
+    } else {
+#if defined(O_DIRECT)
+        int flags = fcntl(op->fd, F_GETFL);
+        op->mode = flags >= 0 && (flags & O_DIRECT) ? MODE_DIRECT : MODE_BUFFERED;
+#else
+        op->mode = MODE_BUFFERED;
+#endif
+    }
+    rc = 0;
+done:
+    Py_DECREF(fast);
+    return rc;
+}
+
+static int compare_astart(const void *left, const void *right) {
+    const op_t *a = *(op_t *const *)left, *b = *(op_t *const *)right;
+    return a->astart < b->astart ? -1 : a->astart > b->astart;
+}
+
+/* A rounded read may write only slack, never bytes another op was asked to
+ * deliver, unless both map the same file bytes to the same place. */
+static int check_overlaps(op_t *ops, Py_ssize_t n) {
+    op_t **order = malloc((size_t)n * sizeof(op_t *));
+    if (order == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) order[i] = &ops[i];
+    qsort(order, (size_t)n, sizeof(op_t *), compare_astart);
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        op_t *a = order[i];
+        if (a->length == 0) continue;
+        for (Py_ssize_t j = i + 1; j < n && order[j]->astart < a->aend; j++) {
+            op_t *b = order[j];
+            if (b->length == 0) continue;
+            int same_mapping = a->fd == b->fd && a->dest - a->offset == b->dest - b->offset;
+            int requested = a->dest < b->dest + b->length && b->dest < a->dest + a->length;
+            int a_hits_b = a->astart < b->dest + b->length && b->dest < a->aend;
+            int b_hits_a = b->astart < a->dest + a->length && a->dest < b->aend;
+            if ((requested && !same_mapping) || (!same_mapping && (a_hits_b || b_hits_a))) {
+                PyErr_Format(PyExc_ValueError,
+                             "ops %zd and %zd overlap in the region: [%lld, %lld) rounded to [%lld, %lld) and "
+                             "[%lld, %lld) rounded to [%lld, %lld) with block size %lld",
+                             a - ops, b - ops, (long long)a->dest, (long long)(a->dest + a->length),
+                             (long long)a->astart, (long long)a->aend, (long long)b->dest,
+                             (long long)(b->dest + b->length), (long long)b->astart, (long long)b->aend,
+                             (long long)a->block);
+                rc = -1;
+                break;
+            }
+        }
+    }
+    free(order);
+    return rc;
+}
+
+static PyObject *Pool_read(PoolObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"region", "ops", "block_size", NULL};
+    PyObject *region, *ops_obj;
+    long long block = 4096;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|L", kwlist, &region, &ops_obj, &block)) return NULL;
+    if (!is_valid_block(block)) {
+        PyErr_Format(PyExc_ValueError, "block_size must be a power of two in [%d, %d], got %lld", MIN_BLOCK,
+                     MAX_BLOCK, block);
+        return NULL;
+    }
+    if (self->threads == NULL || self->closing) {
+        PyErr_SetString(PyExc_ValueError, "read on a closed Pool");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(ops_obj, "ops must be a sequence of tuples");
+    if (seq == NULL) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(region, &view, PyBUF_WRITABLE) != 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    op_t *ops = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if ((uintptr_t)view.buf % (uintptr_t)block != 0) {
+        PyErr_Format(PyExc_ValueError, "region address %p is not aligned to the block size %lld", view.buf, block);
+        goto done;
+    }
+    ops = calloc(n > 0 ? (size_t)n : 1, sizeof(op_t));
+    if (ops == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    batch_t batch = {.remaining = 0};
+    Py_ssize_t queued = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        op_t *op = &ops[i];
+        if (parse_op(PySequence_Fast_GET_ITEM(seq, i), i, op) != 0) goto done;
+        op->region = view.buf;
+        op->block = block;
+        op->batch = &batch;
+        if (op->offset % block != op->dest % block) {
+            PyErr_Format(PyExc_ValueError,
+                         "op %zd: region_offset %lld is not congruent to file_offset %lld modulo the block "
+                         "size %lld",
+                         i, (long long)op->dest, (long long)op->offset, block);
+            goto done;
+        }
+        op->astart = op->dest - op->offset % block;
+        op->aend = op->astart + (round_up(op->offset + op->length, block) - round_down(op->offset, block));
+        if (op->astart < 0 || op->aend > (int64_t)view.len) {
+            PyErr_Format(PyExc_ValueError,
+                         "op %zd: region range [%lld, %lld) (rounded to the block size %lld from "
+                         "region_offset %lld length %lld) is outside the region of %zd bytes",
+                         i, (long long)op->astart, (long long)op->aend, block, (long long)op->dest,
+                         (long long)op->length, view.len);
+            goto done;
+        }
+        if (op->length > 0) queued++;
+    }
+    if (check_overlaps(ops, n) != 0) goto done;
+    if (queued > 0) {
+        int closed = 0;
+        batch.remaining = (int)queued;
+        pthread_cond_init(&batch.done, NULL);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->mu);
+        if (self->closing) {
+            closed = 1;
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                if (ops[i].length == 0) continue;
+                ops[i].next = NULL;
+                if (self->tail) self->tail->next = &ops[i];
+                else self->head = &ops[i];
+                self->tail = &ops[i];
+            }
+            pthread_cond_broadcast(&self->work);
+            while (batch.remaining > 0) pthread_cond_wait(&batch.done, &self->mu);
+        }
+        pthread_mutex_unlock(&self->mu);
+        Py_END_ALLOW_THREADS
+        pthread_cond_destroy(&batch.done);
+        if (closed) {
+            PyErr_SetString(PyExc_ValueError, "read on a closed Pool");
+            goto done;
+        }
+    }
+    result = PyList_New(n);
+    if (result == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = Py_BuildValue("(iLLL)", ops[i].status, (long long)ops[i].delivered,
+                                        (long long)ops[i].transferred, (long long)ops[i].ns);
+        if (entry == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, entry);
+    }
+done:
+    free(ops);
+    PyBuffer_Release(&view);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *Pool_close(PoolObject *self, PyObject *unused) {
+    (void)unused;
+    pool_shutdown(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_get_threads(PoolObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->nthreads);
+}
+
+static PyObject *Pool_get_closed(PoolObject *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->threads == NULL || self->closing);
+}
+
+static PyMethodDef Pool_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))Pool_read, METH_VARARGS | METH_KEYWORDS,
+     "read(region, ops, block_size=4096) -> list[(status, delivered, transferred, service_ns)]\n\n"
+     "Run every op (fd, file_offset, length, region_offset[, mode]) on the pool with the GIL released.\n"
+     "status is 0, an errno, or -1 for end of file before the requested bytes."},
+    {"close", (PyCFunction)Pool_close, METH_NOARGS, "Finish queued reads and join the threads."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Pool_getset[] = {
+    {"threads", (getter)Pool_get_threads, NULL, "number of pool threads", NULL},
+    {"closed", (getter)Pool_get_closed, NULL, "whether close() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native._bypassio.Pool",
+    .tp_basicsize = sizeof(PoolObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Pool(threads=4): persistent pthread pool for batched positional reads.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Pool_init,
+    .tp_dealloc = (destructor)Pool_dealloc,
+    .tp_methods = Pool_methods,
+    .tp_getset = Pool_getset,
+};
+
+/* ---------------------------------------------------------------- module */
+
+static PyMethodDef module_methods[] = {
+    {"open_file", (PyCFunction)(void (*)(void))bypass_open, METH_VARARGS | METH_KEYWORDS,
+     "open_file(path, mode='auto', block_size=4096, refuse_direct=False) -> (fd, mode_used)"},
+    {"advise", (PyCFunction)(void (*)(void))bypass_advise, METH_VARARGS | METH_KEYWORDS,
+     "advise(fd, offset, length, advice) with advice 'willneed' or 'dontneed'"},
+    {"block_sizes", (PyCFunction)bypass_block_sizes, METH_O,
+     "block_sizes(fd) -> {st_blksize, f_bsize, f_frsize, device_logical}"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "native._bypassio", "Cache-bypassing batched reads into a mapped region.", -1,
+    module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__bypassio(void) {
+    if (PyType_Ready(&PoolType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) return NULL;
+    Py_INCREF(&PoolType);
+    if (PyModule_AddObject(module, "Pool", (PyObject *)&PoolType) < 0) {
+        Py_DECREF(&PoolType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    PyObject *modes = Py_BuildValue("(ssss)", MODE_NAMES[0], MODE_NAMES[1], MODE_NAMES[2], MODE_NAMES[3]);
+    if (modes == NULL || PyModule_AddObject(module, "MODES", modes) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_SHORT_READ", STATUS_SHORT_READ) < 0 ||
+        PyModule_AddIntConstant(module, "MIN_BLOCK", MIN_BLOCK) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_BLOCK", MAX_BLOCK) < 0 ||
+#if defined(O_DIRECT)
+        PyModule_AddIntConstant(module, "HAVE_O_DIRECT", 1) < 0
+#else
+        PyModule_AddIntConstant(module, "HAVE_O_DIRECT", 0) < 0
+#endif
+    ) {
+        Py_XDECREF(modes);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

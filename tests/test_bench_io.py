@@ -1,0 +1,31 @@
+"""A tiny smoke run of scripts/bench_io.py: it runs and its JSON has the promised keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_io.py"
+
+
+@pytest.mark.parametrize("extra", [[], ["--disjoint", "--order", "fio,workers,python"]])
+def test_bench_io_smoke(tmp_path, extra):
+    data = tmp_path / "bench.bin"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--file", str(data), "--file-size", "4M", "--block-size", "64K",
+         "--count", "16", "--workers", "1", "--queue-depth", "2", "--json", *extra],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert data.stat().st_size == 4 << 20  # created with the requested size
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("workers_MBps", "python_MBps", "fio_MBps", "p50_ms", "p99_ms"):
+        assert key in summary
+    assert summary["workers_MBps"] > 0 and summary["python_MBps"] > 0
+    assert summary["fio_MBps"] is None or summary["fio_MBps"] > 0
+    assert summary["bytes"] == 16 * 64 * 1024
+    assert 0 < summary["p50_ms"] <= summary["p99_ms"]

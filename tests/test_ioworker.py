@@ -1,0 +1,319 @@
+"""A real I/O worker process driven by a test ROUTER speaking the raw protocol."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment
+from ioworker.engine import HintQueue
+from ioworker.main import WorkerConfig, load_manifest, parse_args, worker_arguments
+from ioworker.spawn import spawn_io_worker
+from native import BypassFile
+from shared.io_messages import (
+    WORKER_REPLIES,
+    Cancel,
+    ErrorReply,
+    Hello,
+    Hint,
+    HintStatus,
+    Load,
+    Loaded,
+    Ready,
+    Shutdown,
+    TelemetryRequest,
+    Welcome,
+    WorkerTelemetry,
+)
+from shared.protocol import decode, encode
+from shared.slab import SLOT_ALIGNMENT, Slab
+
+SLOT = 4 * SLOT_ALIGNMENT  # 64 KiB
+FILE_SIZE = 256 * 1024
+
+
+class Coordinator:
+    """The coordinator's side, by hand: a ROUTER and one spawned worker."""
+
+    def __init__(self, tmp_path: Path, files: list[Path], slab: Slab, **options) -> None:
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"ipc://{tmp_path}/io.sock"
+        self.sock.bind(self.endpoint)
+        manifest = tmp_path / "manifest.json"
+        manifest.write_text(json.dumps([str(p) for p in files]))
+        self.death_r, self.death_w = os.pipe()
+        config = WorkerConfig(index=0, endpoint=self.endpoint, manifest=str(manifest), slab_name=slab.name,
+                              total_slots=slab.total_slots, slot_bytes=slab.slot_bytes, death_fd=self.death_r,
+                              handshake_timeout=5.0, **options)  # fmt: skip
+        self.worker = spawn_io_worker(config)
+        os.close(self.death_r)
+        self.identity = b""
+
+    def recv(self, timeout: float = 10.0):
+        if not self.sock.poll(timeout * 1000):
+            raise TimeoutError(f"no reply within {timeout} s; {self.worker.describe_exit()}")
+        self.identity, payload = self.sock.recv_multipart()
+        return decode(payload, WORKER_REPLIES)
+
+    def send(self, message) -> None:
+        self.send_raw(encode(message))
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send_multipart([self.identity, frame])
+
+    def handshake(self) -> Ready:
+        hello = self.recv()
+        assert isinstance(hello, Hello) and hello.index == 0 and hello.pid == self.worker.pid
+        self.send(Welcome(index=0))
+        ready = self.recv()
+        assert isinstance(ready, Ready), ready
+        return ready
+
+    def expect(self, kind, timeout: float = 10.0):
+        """The next reply of `kind`, skipping hint progress reports."""
+        while True:
+            reply = self.recv(timeout)
+            if isinstance(reply, kind):
+                return reply
+            assert isinstance(reply, HintStatus), f"expected {kind.__name__}, got {reply!r}"
+
+    def close(self) -> int:
+        if self.worker.exit_code is None and self.identity:
+            self.send(Shutdown())
+        try:
+            self.worker.process.wait(timeout=10)
+        finally:
+            code = self.worker.stop()
+            os.close(self.death_w)
+            self.sock.close()
+            self.context.term()
+            Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+        return code
+
+
+@pytest.fixture()
+def files(tmp_path):
+    paths, blobs = [], []
+    for index in range(2):
+        blob = os.urandom(FILE_SIZE)
+        path = tmp_path / f"f{index}.bin"
+        path.write_bytes(blob)
+        paths.append(path)
+        blobs.append(blob)
+    return paths, blobs
+
+
+@pytest.fixture()
+def slab():
+    with Slab.create(total_slots=4, slot_bytes=SLOT) as created:
+        yield created
+
+
+@pytest.fixture()
+def coordinator(tmp_path, files, slab):
+    made = []
+
+    def start(**options) -> Coordinator:
+        coord = Coordinator(tmp_path, files[0], slab, **options)
+        made.append(coord)
+        coord.handshake()
+        return coord
+
+    yield start
+    for coord in made:
+        coord.close()
+
+
+def good_load(slot: int, generation: int) -> Load:
+    return Load(slot=slot, generation=generation, segments=(ExpertIOSegment(1, 4096 + 7, 1000, 7),))
+
+
+def test_loads_land_exactly_and_telemetry_counts(coordinator, files, slab):
+    coord = coordinator()
+    _, blobs = files
+    segments = (ExpertIOSegment(0, 12345, 20000, 12345 % 4096), ExpertIOSegment(1, 77, 5, 40960 + 77),
+                ExpertIOSegment(1, FILE_SIZE - 3, 3, 50000 - 50000 % 4096 + (FILE_SIZE - 3) % 4096))  # fmt: skip
+    coord.send(Load(slot=2, generation=5, segments=segments))
+    reply = coord.expect(Loaded)
+    assert (reply.slot, reply.generation, reply.ok, reply.bytes) == (2, 5, True, 20008)
+    assert reply.service_ms > 0
+    base = slab.slot_offset(2)
+    for s in segments:
+        got = slab.buffer[base + s.destination : base + s.destination + s.length]
+        assert got == blobs[s.file][s.offset : s.offset + s.length]
+    coord.send(TelemetryRequest())
+    telemetry = coord.expect(WorkerTelemetry)
+    assert (telemetry.loads, telemetry.bytes, telemetry.read_ops, telemetry.files) == (1, 20008, 3, 2)
+    assert telemetry.bypass_files == 2 and telemetry.fallback_files == 0
+
+
+def test_forced_fallback_is_reported(coordinator, files, slab):
+    coord = coordinator(io_mode="dontneed")
+    coord.send(good_load(0, 1))
+    assert coord.expect(Loaded).ok
+    coord.send(TelemetryRequest())
+    telemetry = coord.expect(WorkerTelemetry)
+    assert telemetry.bypass_files == 0 and telemetry.read_ops == 1
+
+
+@pytest.mark.parametrize(("frame", "code", "fragment"), [
+    (b"\x93garbage", "bad_frame", "not msgpack"),
+    (msgpack.packb([1, 2, 3]), "bad_message", "must be a map"),
+    (msgpack.packb({"op": "format_disk"}), "unknown_op", "format_disk"),
+    (msgpack.packb({"op": "cancel", "slot": "x", "generation": 1}), "bad_field", "'x'"),
+    (encode(Hint(segments=(ExpertIOHintSegment(9, 0, 10),))), "bad_request", "file index 9"),
+])  # fmt: skip
+def test_bad_frames_get_an_error_and_the_worker_keeps_serving(coordinator, frame, code, fragment):
+    coord = coordinator()
+    coord.send_raw(frame)
+    error = coord.expect(ErrorReply)
+    assert error.code == code and fragment in error.message
+    coord.send(good_load(1, 1))
+    assert coord.expect(Loaded).ok
+
+
+@pytest.mark.parametrize(("segment", "slot", "fragment"), [
+    (ExpertIOSegment(2, 0, 10, 0), 0, "file index 2 is not in the manifest of 2 files"),
+    (ExpertIOSegment(0, 0, -5, 0), 0, "length -5 must be positive"),
+    (ExpertIOSegment(0, 0, 0, 0), 0, "length 0 must be positive"),
+    (ExpertIOSegment(0, -4096, 10, 0), 0, "offset -4096 is negative"),
+    (ExpertIOSegment(0, FILE_SIZE - 10, 11, 0), 0, f"[{FILE_SIZE - 10}, {FILE_SIZE + 1}) of file 0"),
+    (ExpertIOSegment(0, 0, 10, SLOT - 5), 0, f"destination [{SLOT - 5}, {SLOT + 5}) is outside the slot"),
+    (ExpertIOSegment(0, 0, 10, -4096), 0, "destination [-4096"),
+    (ExpertIOSegment(0, 0, 10, 0), 4, "slot 4 is outside the slab's 4 slots"),
+    (ExpertIOSegment(0, 1, 10, 2), 0, "not congruent"),
+])  # fmt: skip
+def test_bad_loads_get_an_error_naming_the_value(coordinator, segment, slot, fragment):
+    coord = coordinator()
+    coord.send(Load(slot=slot, generation=3, segments=(segment,)))
+    reply = coord.expect(Loaded)
+    assert (reply.slot, reply.generation, reply.ok, reply.code) == (slot, 3, False, "bad_request")
+    assert fragment in reply.error
+    coord.send(good_load(1, 4))
+    assert coord.expect(Loaded).ok
+
+
+def test_truncated_file_is_a_read_error_naming_file_and_offset(coordinator, files):
+    coord = coordinator()
+    paths, _ = files
+    os.truncate(paths[1], 8192)  # after startup: the worker still believes FILE_SIZE
+    coord.send(Load(slot=0, generation=1, segments=(ExpertIOSegment(1, 100_000, 5000, 100_000 % 4096),)))
+    reply = coord.expect(Loaded)
+    assert not reply.ok and reply.code == "short_read"
+    assert (reply.file, reply.offset) == (1, 100_000)
+    assert str(paths[1]) in reply.error and "offset 100000" in reply.error
+    coord.send(good_load(1, 2))  # inside the remaining 8192 bytes
+    assert coord.expect(Loaded).ok
+    coord.send(Load(slot=1, generation=3, segments=(ExpertIOSegment(0, 0, 10, 0),)))
+    assert coord.expect(Loaded).ok
+
+
+def test_cancel_drops_a_queued_load_and_in_flight_ones_still_reply(coordinator):
+    coord = coordinator(queue_depth=1, test_read_delay_ms=1000)
+    coord.send(good_load(0, 1))  # starts at once and stays in flight
+    coord.send(good_load(1, 2))  # queued behind it
+    time.sleep(0.1)
+    coord.send(Cancel(slot=1, generation=2))
+    cancelled = coord.expect(Loaded, timeout=0.8)  # answered while load 1 is still reading
+    assert (cancelled.slot, cancelled.generation, cancelled.ok, cancelled.error) == (1, 2, False, "cancelled")
+    coord.send(TelemetryRequest())
+    telemetry = coord.expect(WorkerTelemetry, timeout=0.8)
+    assert telemetry.in_flight == 1 and telemetry.cancelled == 1
+    coord.send(Cancel(slot=0, generation=1))  # in flight: the reply still comes when it finishes
+    coord.send(Load(slot=0, generation=7, segments=good_load(0, 7).segments))  # slot busy: refused
+    refused = coord.expect(Loaded)
+    assert (refused.generation, refused.ok) == (7, False) and "already has load generation 1" in refused.error
+    done = coord.expect(Loaded, timeout=5)
+    assert (done.slot, done.generation, done.ok) == (0, 1, True)
+
+
+def test_hints_are_served_and_reported(coordinator):
+    coord = coordinator()
+    coord.send(Hint(segments=(ExpertIOHintSegment(0, 0, 65536), ExpertIOHintSegment(1, 4096, 10))))
+    status = coord.recv()
+    while isinstance(status, HintStatus) and not status.completed:  # progress may come in steps
+        status = coord.recv()
+    assert isinstance(status, HintStatus)
+    assert (status.submitted, status.completed, status.operations, status.bytes) == (1, 1, 2, 65546)
+
+
+def test_hint_queue_drops_when_full(files):
+    paths, _ = files
+    entered, proceed = __import__("threading").Event(), __import__("threading").Event()
+
+    def notify() -> None:  # holds the hint thread after its first message
+        entered.set()
+        proceed.wait(5)
+
+    opened = [BypassFile.open(p) for p in paths]
+    queue = HintQueue(files=opened, capacity=1, notify=notify)
+    try:
+        one = (ExpertIOHintSegment(0, 0, 10),)
+        assert queue.offer(one)
+        assert entered.wait(5)
+        assert queue.offer(one)  # fills the queue
+        assert not queue.offer(one)  # dropped
+        status = queue.status()
+        assert (status.submitted, status.dropped, status.queue_depth) == (3, 1, 1)
+    finally:
+        proceed.set()
+        queue.close()
+        for f in opened:
+            f.close()
+
+
+def test_worker_exits_when_the_parent_death_pipe_closes(tmp_path, files, slab):
+    coord = Coordinator(tmp_path, files[0], slab)
+    coord.handshake()
+    os.close(coord.death_w)
+    coord.death_w = os.open(os.devnull, os.O_RDONLY)  # keep close() simple
+    coord.worker.process.wait(timeout=10)
+    assert coord.worker.exit_code == 0
+    assert any("parent process is gone" in line for line in coord.worker.stderr_tail())
+    coord.close()
+
+
+def test_worker_exits_cleanly_on_sigterm(tmp_path, files, slab):
+    coord = Coordinator(tmp_path, files[0], slab)
+    coord.handshake()
+    coord.worker.process.send_signal(signal.SIGTERM)
+    assert coord.worker.process.wait(timeout=10) == 0
+    assert any("stopping on signal" in line for line in coord.worker.stderr_tail())
+    coord.close()
+
+
+def test_setup_failure_is_reported_fast(tmp_path, files, slab):
+    paths, _ = files
+    coord = Coordinator(tmp_path, [paths[0], tmp_path / "missing.bin"], slab)
+    hello = coord.recv()
+    assert isinstance(hello, Hello)
+    coord.send(Welcome(index=0))
+    error = coord.expect(ErrorReply)
+    assert error.code == "setup_failed" and "missing.bin" in error.message
+    assert coord.worker.process.wait(timeout=10) == 1
+    coord.identity = b""
+    coord.close()
+
+
+def test_manifest_and_arguments_are_validated(tmp_path):
+    bad = tmp_path / "manifest.json"
+    bad.write_text(json.dumps(["relative/path.bin"]))
+    with pytest.raises(ValueError, match="absolute path"):
+        load_manifest(bad)
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="non-empty JSON array"):
+        load_manifest(bad)
+    config = WorkerConfig(index=2, endpoint="ipc:///x", manifest="/m.json", slab_name="/moeslab-0", total_slots=3,
+                          slot_bytes=SLOT, death_fd=7, test_read_delay_ms=5.0)  # fmt: skip
+    assert parse_args(worker_arguments(config)) == config
+    with pytest.raises(SystemExit):
+        parse_args([*worker_arguments(config), "--block-size", "1000"])
