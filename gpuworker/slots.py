@@ -35,10 +35,12 @@ __all__ = [
     "ZERO_COPY",
     "SlotCounters",
     "SlotCountersSnapshot",
+    "StackBuffers",
     "SlotTensorLike",
     "WrapStats",
     "mlx_storage_dtype",
     "slot_arrays",
+    "stacked_slot_arrays",
     "zero_copy_supported",
 ]
 
@@ -247,3 +249,98 @@ def slot_arrays(
         return _wrap_zero_copy(window, layout), WrapStats(ZERO_COPY, len(layout), nbytes, 0)
     tensors = {tensor.name: _copy_tensor(window, tensor) for tensor in layout}
     return tensors, WrapStats(COPY, len(layout), nbytes, nbytes)
+
+
+# --------------------------------------------------------------------------- stacked, one copy
+
+
+class StackBuffers:
+    """Reusable MLX arrays of shape [n, *tensor shape] that a wave's slots are copied into.
+
+    The streamed module needs each tensor of a wave stacked over the wave's
+    experts. Building per-expert arrays and then `mx.stack`ing them copies
+    every byte twice (slot -> MLX, MLX -> stacked); copying each slot's
+    tensors straight into rows of a stacked MLX array copies them once, and
+    the result is the same bytes, so the module computes bit for bit what it
+    computed before. MLX arrays are immutable as far as MLX knows: writing one
+    through its (CPU) buffer is only sound because the writer is the only
+    holder of the array between waves (the module drops the arrays it was
+    given, and evaluates every output that read them, before the wave's fence,
+    which precedes the next wave's copy), and because the pool's own reference
+    keeps MLX from donating the buffer to an op's output.
+
+    Buffers are kept per (n, tensor specs): a decode wave always has top-k
+    experts, so one set serves every layer of every token; at most
+    `max_sets` sets are kept (prefill waves vary in size).
+    """
+
+    def __init__(self, *, max_sets: int = 4) -> None:
+        self._sets: dict[tuple, dict[str, tuple[np.ndarray, mx.array]]] = {}
+        self._max_sets = max_sets
+
+    def clear(self) -> None:
+        self._sets.clear()
+
+    def get(self, n: int, layout: Sequence[SlotTensorLike]) -> dict[str, tuple[np.ndarray, mx.array]]:
+        """{name: (writable uint8 numpy view [n, nbytes], the MLX array [n, *shape])}."""
+        key = (n, tuple((t.name, t.dtype, tuple(t.shape)) for t in layout))
+        found = self._sets.pop(key, None)
+        if found is None:
+            found = {t.name: _stack_buffer(n, t) for t in layout}
+        self._sets[key] = found  # most recently used last
+        while len(self._sets) > self._max_sets:
+            del self._sets[next(iter(self._sets))]
+        return found
+
+
+def _stack_buffer(n: int, tensor: SlotTensorLike) -> tuple[np.ndarray, mx.array]:
+    """An MLX array [n, *shape] of the tensor's MLX dtype and a writable uint8 view of its memory."""
+    storage = numpy_dtype(tensor.dtype)
+    base = mx.array(np.zeros((n, *tensor.shape), dtype=storage))  # materialised, MLX-owned
+    target = mlx_storage_dtype(tensor.dtype)
+    array = base if base.dtype == target else base.view(target)  # BF16 <- uint16: same buffer
+    mx.eval(array)
+    host = np.array(base, copy=False)  # a view of MLX's buffer, not a copy
+    raw = host.reshape(n, -1).view(np.uint8)
+    if raw.shape != (n, tensor.nbytes) or not raw.flags.writeable or not raw.flags.c_contiguous:
+        raise RuntimeError(f"stack buffer for {tensor.name!r}: unexpected host view {raw.shape} {raw.flags}")
+    # The array handed out must read the bytes written through `raw` (a view that copied would not).
+    raw[-1, -1] = 1
+    probe = array.view(mx.uint8).reshape(n, -1)[-1, -1].item()
+    raw[-1, -1] = 0
+    if probe != 1:
+        raise RuntimeError(f"stack buffer for {tensor.name!r}: MLX array does not share the host buffer")
+    return raw, array
+
+
+def stacked_slot_arrays(
+    buffer,
+    slots: Sequence[int],
+    slot_bytes: int,
+    layouts: Sequence[Sequence[SlotTensorLike]],
+    pool: StackBuffers,
+) -> tuple[dict[str, mx.array], WrapStats]:
+    """The tensors of the experts in `slots` (in that order), stacked: `{name: [n, *shape]}`.
+
+    One copy per tensor per expert, straight from the slot into MLX memory
+    (`StackBuffers`); the copy path only (CPU, CUDA). Every layout must name
+    the same tensors with the same dtypes and shapes (offsets may differ).
+    Arrays come from `pool` and are overwritten by its next use: the caller
+    must have evaluated and dropped everything that read them by then.
+    """
+    if len(slots) != len(layouts) or not slots:
+        raise ValueError(f"{len(slots)} slots but {len(layouts)} layouts")
+    first = layouts[0]
+    specs = [(t.name, t.dtype, tuple(t.shape)) for t in first]
+    for layout in layouts:
+        _check_layout(layout, int(slot_bytes))
+        if sorted((t.name, t.dtype, tuple(t.shape)) for t in layout) != sorted(specs):
+            raise ValueError("stacked slots must hold the same tensors (name, dtype, shape)")
+    windows = [_slot_window(buffer, slot, slot_bytes) for slot in slots]
+    target = pool.get(len(slots), first)
+    for row, (window, layout) in enumerate(zip(windows, layouts)):
+        for tensor in layout:
+            target[tensor.name][0][row] = window[tensor.offset : tensor.offset + tensor.nbytes]
+    nbytes = sum(t.nbytes for layout in layouts for t in layout)
+    return {name: array for name, (_, array) in target.items()}, WrapStats(COPY, len(first) * len(slots),
+                                                                          nbytes, nbytes)  # fmt: skip

@@ -26,7 +26,7 @@ import logging
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -75,35 +75,51 @@ class LeasedWave:
     The module `take()`s the tensors so that, once it has dropped them,
     nothing else holds them when it fences. `lease` is the provider's own
     handle (e.g. the lease id of the wire protocol).
+
+    `stacked=True`: the tensors come already stacked, one `{name: [n, ...]}`
+    mapping with the experts in ascending id (a provider that copies each
+    slot straight into a stacked array saves the module's `mx.stack` copy).
     """
 
-    __slots__ = ("expert_ids", "lease", "_tensors")
+    __slots__ = ("expert_ids", "lease", "stacked", "_tensors")
 
     def __init__(
         self,
         expert_ids: Sequence[int],
-        tensors: Sequence[Mapping[str, mx.array]] | Callable[[], Sequence[Mapping[str, mx.array]]],
+        tensors: Sequence[Mapping[str, mx.array]] | Mapping[str, mx.array] | Callable[[], Any],
         *,
         lease: object = None,
+        stacked: bool = False,
     ) -> None:
         self.expert_ids: tuple[int, ...] = tuple(int(e) for e in expert_ids)
         self.lease = lease
+        self.stacked = bool(stacked)
         if not callable(tensors):
-            tensors = tuple(tensors)
-            if len(tensors) != len(self.expert_ids):
-                raise ValueError(f"{len(self.expert_ids)} expert ids but {len(tensors)} tensor sets")
+            if self.stacked:
+                tensors = dict(tensors)  # type: ignore[arg-type]
+            else:
+                tensors = tuple(tensors)
+                if len(tensors) != len(self.expert_ids):
+                    raise ValueError(f"{len(self.expert_ids)} expert ids but {len(tensors)} tensor sets")
         self._tensors = tensors
 
     @property
     def taken(self) -> bool:
         return self._tensors is None
 
-    def take(self) -> tuple[Mapping[str, mx.array], ...]:
-        """Hand the tensors over (once, loading them if lazy) and forget them."""
+    def take(self) -> Any:
+        """Hand the tensors over (once, loading them if lazy) and forget them: a tuple of
+        per-expert mappings, or (stacked) one mapping of stacked arrays."""
         source, self._tensors = self._tensors, None
         if source is None:
             raise ExpertProviderError(f"wave {list(self.expert_ids)} was already taken")
-        tensors = tuple(source() if callable(source) else source)
+        loaded = source() if callable(source) else source
+        if self.stacked:
+            if not isinstance(loaded, Mapping):
+                raise ExpertProviderError(f"wave {list(self.expert_ids)}: stacked tensors are "
+                                          f"{type(loaded).__name__}, not a mapping")  # fmt: skip
+            return loaded
+        tensors = tuple(loaded)
         if len(tensors) != len(self.expert_ids):
             raise ExpertProviderError(f"wave {list(self.expert_ids)}: {len(tensors)} tensor sets")
         return tensors
@@ -155,8 +171,24 @@ def _check_waves(waves: Sequence[LeasedWave], routes: np.ndarray, num_experts: i
         )
 
 
+def _check_array(array: object, shape: tuple[int, ...], dtype: mx.Dtype, where: str) -> None:
+    if not isinstance(array, mx.array) or tuple(array.shape) != shape or array.dtype != dtype:
+        what = f"{array.dtype} {list(array.shape)}" if isinstance(array, mx.array) else type(array).__name__
+        raise ExpertProviderError(f"{where}: got {what}, the module needs {dtype} {list(shape)}")
+
+
 def _stacked(wave: LeasedWave, params: Sequence[ExpertParam], layer: int) -> tuple[list[int], dict[str, mx.array]]:
     """The wave's experts in ascending id, stacked per tensor name: [n_unique, ...]."""
+    if getattr(wave, "stacked", False):
+        got = wave.take()
+        wanted = {param.name for param in params}
+        if set(got) != wanted:
+            raise ExpertProviderError(f"layer {layer} wave {list(wave.expert_ids)}: stacked tensors "
+                                      f"{sorted(got)} but the module needs {sorted(wanted)}")  # fmt: skip
+        n = len(wave.expert_ids)
+        for param in params:
+            _check_array(got[param.name], (n, *param.shape), param.dtype, f"layer {layer} stacked {param.name}")
+        return sorted(wave.expert_ids), {param.name: got[param.name] for param in params}
     tensors = wave.take()
     order = sorted(range(len(wave.expert_ids)), key=wave.expert_ids.__getitem__)
     wanted = {param.name for param in params}

@@ -1,0 +1,270 @@
+"""The lease service: the GPU worker's `routes` / `fence` against the residency manager.
+
+One layer visit: `routes` (every selection) → the unique experts split into
+waves of at most the working bank → wave 0 leased; each `fence(next=True)`
+releases the wave and leases the next; `fence(next=False)` (or the next
+visit's piggybacked fence) ends the visit. Every request is validated before
+the manager is touched, so a refused one (error reply naming the offending
+value) leaves the state exactly as it was.
+
+Transport-agnostic: `handle` takes a decoded message and returns the reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.residency import (
+    ExpertBatchLease,
+    ExpertResidencyManager,
+    ExpertUnionWave,
+    build_expert_batch_union,
+)
+from shared.gpu_messages import Fence, Fenced, Lease, Routes
+from shared.protocol import BAD_REQUEST, INTERNAL, ErrorReply
+
+logger = logging.getLogger(__name__)
+
+LOAD_FAILED = "load_failed"  # an expert of the wave could not be loaded (the reply names it)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStats:
+    """What the lease service saw between `begin_job` and `end_job`."""
+
+    visits: int = 0
+    all_resident_visits: int = 0  # visits whose every expert was already resident
+    waves: int = 0
+    abandoned_waves: int = 0  # waves of a visit the worker ended before leasing them
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    bytes_read: int = 0
+    disk_p50_ms: float = 0.0
+    disk_p99_ms: float = 0.0
+    wait_p50_ms: float = 0.0
+    wait_p99_ms: float = 0.0
+    evictions: int = 0
+    pressure_evictions: int = 0
+    repin_swaps: int = 0
+    refused: int = 0  # requests answered with an error
+
+    @property
+    def all_resident(self) -> float:
+        return self.all_resident_visits / self.visits if self.visits else 0.0
+
+
+@dataclass(slots=True)
+class _Visit:
+    layer: int
+    waves: list[ExpertUnionWave]
+    missed: bool = False
+
+
+@dataclass(slots=True)
+class _Held:
+    lease_id: int
+    visit: _Visit
+    wave: int
+    lease: ExpertBatchLease
+
+
+@dataclass(slots=True)
+class _Counts:
+    visits: int = 0
+    all_resident_visits: int = 0
+    waves: int = 0
+    abandoned_waves: int = 0
+    refused: int = 0
+    baseline: tuple[int, int, int] = (0, 0, 0)  # evictions, pressure evictions, repin swaps
+
+
+class LeaseRefused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _refuse(message: str, code: str = BAD_REQUEST) -> LeaseRefused:
+    return LeaseRefused(code, message)
+
+
+class LeaseService:
+    """Serves one GPU worker's lease protocol over an ExpertResidencyManager."""
+
+    def __init__(self, *, manager: ExpertResidencyManager, experts_per_layer: int,
+                 working_slots: int | None = None) -> None:  # fmt: skip
+        self._manager = manager
+        self._experts = int(experts_per_layer)
+        self._working = int(working_slots if working_slots is not None else manager.plan.working_slots)
+        self._sparse = frozenset(manager.sparse_layer_ids)
+        self._held: _Held | None = None
+        self._last_id = 0
+        self._counts = _Counts()
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def held(self) -> int | None:
+        """The lease id the GPU worker holds (not yet fenced), if any."""
+        return None if self._held is None else self._held.lease_id
+
+    @property
+    def held_slots(self) -> tuple[int, ...]:
+        return () if self._held is None else tuple(entry.slot for entry in self._held.lease.entries)
+
+    # -------------------------------------------------------------- requests
+
+    async def handle(self, message: Routes | Fence) -> Lease | Fenced | ErrorReply:
+        """The reply to one `routes` or `fence`; never raises for bad input."""
+        try:
+            if isinstance(message, Routes):
+                return await self._routes(message)
+            if isinstance(message, Fence):
+                return await self._fence(message)
+            raise _refuse(f"the lease service takes routes and fence, not {type(message).__name__}")
+        except LeaseRefused as refusal:
+            self._counts.refused += 1
+            logger.warning("refused %s: %s", getattr(message, "OP", "?"), refusal.message)
+            return ErrorReply(code=refusal.code, message=refusal.message)
+        except Exception as error:  # a bug here: still answer, the worker is waiting for a reply
+            self._counts.refused += 1
+            logger.exception("%s failed", getattr(message, "OP", "?"))
+            return ErrorReply(code=INTERNAL, message=f"{getattr(message, 'OP', '?')} failed: {error!r}")
+
+    async def _routes(self, message: Routes) -> Lease:
+        layer, routes = message.layer, message.routes.array
+        if layer not in self._sparse:
+            raise _refuse(f"routes for layer {layer}: not a sparse layer; sparse layers are {sorted(self._sparse)}")
+        if routes.size == 0:
+            raise _refuse(f"routes for layer {layer} hold no selection")
+        top, bottom = int(routes.max()), int(routes.min())
+        if top >= self._experts or bottom < 0:
+            top = top if top >= self._experts else bottom
+            row, rank = (int(i) for i in np.argwhere(routes == top)[0])
+            raise _refuse(f"routes for layer {layer}: row {row} rank {rank} names expert {top}; "
+                          f"the layer has experts 0..{self._experts - 1}")  # fmt: skip
+        held = self._held
+        if message.fence is not None:
+            if held is None or held.lease_id != message.fence:
+                raise _refuse(f"routes for layer {layer} piggyback fence of lease {message.fence}, "
+                              f"but {self._describe_held()}")  # fmt: skip
+        elif held is not None:
+            raise _refuse(f"routes for layer {layer} while lease {held.lease_id} (layer {held.visit.layer} "
+                          f"wave {held.wave}) is still held; fence it first")  # fmt: skip
+        if held is None and self._manager.active:  # a wave active without a lease: an internal failure
+            raise _refuse("the residency manager still has an active wave", INTERNAL)
+
+        # Validated: from here on the request is served (or fails for a reason that is not its own).
+        if held is not None:
+            self._release(held, ended=True)
+        self._manager.record_routes(layer, routes)  # every selection, before dedup
+        visit = _Visit(layer, build_expert_batch_union(routes, self._working))
+        self._counts.visits += 1
+        return await self._acquire(visit, 0)
+
+    async def _fence(self, message: Fence) -> Lease | Fenced:
+        held = self._held
+        if held is None or held.lease_id != message.lease_id:
+            raise _refuse(f"fence of lease {message.lease_id}, but {self._describe_held()}")
+        last = len(held.visit.waves) - 1
+        if message.next and held.wave >= last:
+            raise _refuse(f"fence of lease {message.lease_id} asks for the next wave, but wave {held.wave} "
+                          f"is the last of {last + 1} of layer {held.visit.layer}")  # fmt: skip
+        self._release(held, ended=not message.next)
+        if message.next:
+            return await self._acquire(held.visit, held.wave + 1)
+        return Fenced(lease_id=message.lease_id)
+
+    # ------------------------------------------------------------- lifecycle
+
+    def release_for_lost_worker(self, reason: str) -> int | None:
+        """The GPU worker process is gone: nothing reads its slots any more; release its lease."""
+        held = self._held
+        if held is None:
+            return None
+        logger.warning("releasing lease %d (layer %d wave %d, slots %s) on behalf of the lost GPU worker: %s",
+                       held.lease_id, held.visit.layer, held.wave, list(self.held_slots), reason)  # fmt: skip
+        try:
+            self._release(held, ended=True)
+        except LeaseRefused as failure:
+            logger.error("%s", failure.message)
+        return held.lease_id
+
+    def begin_job(self) -> None:
+        """Start a job's statistics (the manager's demand telemetry is drained)."""
+        self._manager.drain_demand_telemetry()
+        snap = self._manager.snapshot()
+        self._counts = _Counts(baseline=(snap.evictions, snap.pressure_evictions, snap.repin_swaps))
+
+    def end_job(self) -> LeaseStats:
+        """The statistics since `begin_job`."""
+        telemetry = self._manager.drain_demand_telemetry()
+        snap = self._manager.snapshot()
+        counts = self._counts
+        evictions, pressure, repins = counts.baseline
+        stats = LeaseStats(
+            visits=counts.visits, all_resident_visits=counts.all_resident_visits, waves=counts.waves,
+            abandoned_waves=counts.abandoned_waves, hits=telemetry.hits, misses=telemetry.misses,
+            loads=telemetry.loads, bytes_read=telemetry.read_bytes,
+            disk_p50_ms=telemetry.disk_service.p50_ms, disk_p99_ms=telemetry.disk_service.p99_ms,
+            wait_p50_ms=telemetry.foreground_wait.p50_ms, wait_p99_ms=telemetry.foreground_wait.p99_ms,
+            evictions=snap.evictions - evictions, pressure_evictions=snap.pressure_evictions - pressure,
+            repin_swaps=snap.repin_swaps - repins, refused=counts.refused,
+        )  # fmt: skip
+        self._counts = _Counts(baseline=(snap.evictions, snap.pressure_evictions, snap.repin_swaps))
+        return stats
+
+    # ------------------------------------------------------------- internals
+
+    def _describe_held(self) -> str:
+        if self._held is None:
+            return "no lease is held" + (f" (the last one issued was {self._last_id})" if self._last_id else "")
+        return f"the held lease is {self._held.lease_id}"
+
+    async def _acquire(self, visit: _Visit, wave: int) -> Lease:
+        ids = visit.waves[wave].expert_ids
+        try:
+            lease = await self._manager.acquire_block(visit.layer, ids)
+        except Exception as error:  # the manager has undone the acquire; the visit is over
+            self._finish_visit(visit, wave)
+            logger.error("layer %d wave %d (experts %s) failed: %s", visit.layer, wave, list(ids), error)
+            raise LeaseRefused(LOAD_FAILED, f"layer {visit.layer} wave {wave} experts {list(ids)}: {error}") from None
+        self._last_id += 1
+        self._held = _Held(self._last_id, visit, wave, lease)
+        self._counts.waves += 1
+        hits = sum(entry.hit for entry in lease.entries)
+        if hits != len(lease.entries):
+            visit.missed = True
+        entries = lease.entries
+        return Lease(
+            lease_id=self._last_id, layer=visit.layer, wave=wave, waves=len(visit.waves),
+            experts=tuple(e.expert_id for e in entries), slots=tuple(e.slot for e in entries),
+            generations=tuple(e.generation for e in entries), hits=hits,
+        )  # fmt: skip
+
+    def _release(self, held: _Held, *, ended: bool) -> None:
+        self._held = None
+        try:
+            held.lease.release_fenced()
+        except Exception as error:  # stale or refused by the backend: a bug, never the worker's input
+            logger.exception("fenced release of lease %d failed", held.lease_id)
+            self._finish_visit(held.visit, len(held.visit.waves))
+            raise LeaseRefused(INTERNAL, f"fenced release of lease {held.lease_id} failed: {error}") from None
+        if ended:
+            self._finish_visit(held.visit, held.wave + 1)
+
+    def _finish_visit(self, visit: _Visit, served: int) -> None:
+        """`served` waves of the visit were leased (and released); count the visit once."""
+        abandoned = len(visit.waves) - served
+        if abandoned > 0:
+            self._counts.abandoned_waves += abandoned
+            logger.info("layer %d visit ended with %d of %d waves not leased", visit.layer, abandoned, len(visit.waves))
+        elif not visit.missed:
+            self._counts.all_resident_visits += 1
+
+
+__all__ = ["LOAD_FAILED", "LeaseRefused", "LeaseService", "LeaseStats"]

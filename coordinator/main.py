@@ -1,0 +1,406 @@
+"""The coordinator process: `python -m coordinator --config RUN_DIR/config.json [--death-fd N]`.
+
+One entry function, `run_coordinator`: setup (attach the slab, open the
+store, bind the I/O, GPU and jobs ROUTERs, build the residency manager), a
+single-threaded asyncio loop (I/O workers' replies, the GPU worker's lease
+protocol and job messages, clients' requests, a GPU-worker watchdog), and a
+`finally` that closes every socket before the context. It never unlinks the
+slab: the launcher owns it. Exits on SIGTERM/SIGINT or when the parent's
+death pipe reports end of file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psutil
+import zmq
+import zmq.asyncio
+
+from coordinator.backend import IOWorkerBackend
+from coordinator.jobs import JobFrontDoor, job_stats
+from coordinator.leases import LeaseService
+from coordinator.residency import ExpertResidencyManager
+from coordinator.test_hooks import HookedBackend, wrap_backend
+from coordinator.usage import ExpertUsageLedger
+from shared.config import RunConfig, read_config
+from shared.gpu_messages import (
+    COORDINATOR_ACCEPTS_FROM_GPU,
+    Fence,
+    GpuHello,
+    GpuReady,
+    GpuWelcome,
+    JobDone,
+    JobError,
+    Routes,
+    Token,
+)
+from shared.job_messages import SHUTTING_DOWN, HealthReply, JobStats
+from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode, encode
+from shared.slab import Slab
+from shared.store import ExpertStore
+
+logger = logging.getLogger("coordinator")
+
+EXIT_OK, EXIT_FAILED = 0, 1
+NOT_READY = "not_ready"
+WATCH_INTERVAL_S = 0.5
+# A frame over ZMQ_MAXMSGSIZE is not refused: it drops the peer's connection. The jobs and GPU
+# sockets must take the largest legal `generate` (1 Mi prompt tokens at up to 9 msgpack bytes) and
+# `job_done`; the I/O socket (the backend's own) keeps the protocol default.
+JOBS_MAX_MESSAGE_BYTES = GPU_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def _router(context: zmq.asyncio.Context, endpoint: str, max_bytes: int) -> zmq.asyncio.Socket:
+    sock = context.socket(zmq.ROUTER)
+    for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, max_bytes), (zmq.SNDHWM, 0),
+                          (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1)):  # fmt: skip
+        sock.setsockopt(option, value)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class _GpuSession:
+    epoch: int = 0
+    identity: bytes | None = None
+    pid: int = 0
+    ready: bool = False
+    dense_bytes: int = 0
+    wrap_path: str = "copy"
+
+
+class Coordinator:
+    """The running coordinator's state; the job front door's `JobHost`."""
+
+    def __init__(self, *, config: RunConfig, store: ExpertStore, slab: Slab, io: IOWorkerBackend,
+                 gpu_sock: zmq.asyncio.Socket, jobs_sock: zmq.asyncio.Socket,
+                 ledger: ExpertUsageLedger | None) -> None:  # fmt: skip
+        self.config, self.store, self.slab, self.ledger = config, store, slab, ledger
+        self.io, self.gpu_sock, self.jobs_sock = io, gpu_sock, jobs_sock
+        self.backend = wrap_backend(io, config.test_hooks, slab=slab)
+        self.manager = ExpertResidencyManager(plan=config.plan, sparse_layer_ids=store.sparse_layers,
+                                              backend=self.backend, locate=store.locate,
+                                              pinned=[tuple(pair) for pair in config.pinned], usage=ledger)  # fmt: skip
+        self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
+        self.front = JobFrontDoor(host=self)
+        self.gpu = _GpuSession()
+        self.io_ready = False
+        self.stopping = False
+        self._violations = 0
+        self._fallback_ops = 0
+        self._peak_footprint = 0
+
+    # ------------------------------------------------------------ tasks
+
+    async def start_io(self) -> None:
+        await self.io.start(timeout=self.config.start_timeout_s)
+        if self.config.pinned:
+            await self.manager.preload_pinned()
+            logger.info("preloaded %d pinned experts", len(self.config.pinned))
+        self.io_ready = True
+        logger.info("%d I/O workers ready", self.config.io_workers)
+        self.front.poke()
+
+    async def serve_gpu(self) -> None:
+        while True:
+            frames = await self.gpu_sock.recv_multipart()
+            try:
+                await self._gpu_message(frames)
+            except Exception:  # a bad message must never stop the coordinator
+                logger.exception("failed to handle a GPU worker message")
+
+    async def serve_jobs(self) -> None:
+        while True:
+            frames = await self.jobs_sock.recv_multipart()
+            try:
+                await self.front.handle_client(frames)
+            except Exception:
+                logger.exception("failed to handle a client message")
+
+    async def watch_gpu(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.gpu.identity is not None and not _alive(self.gpu.pid):
+                await self._gpu_lost(f"GPU worker pid {self.gpu.pid} exited")
+
+    # ------------------------------------------------------ the GPU worker
+
+    async def _gpu_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if len(frames) > 2:
+                self._send(self.gpu_sock, frames[0], ErrorReply(BAD_REQUEST, f"expected one frame, got {len(frames) - 1}"))
+            return
+        identity, payload = frames
+        try:
+            message = decode(payload, COORDINATOR_ACCEPTS_FROM_GPU)
+        except ProtocolError as error:
+            logger.warning("refused a GPU worker frame: %s", error.message)
+            self._send(self.gpu_sock, identity, ErrorReply(error.code, error.message))
+            return
+        if isinstance(message, GpuHello):
+            await self._gpu_hello(identity, message)
+            return
+        if identity != self.gpu.identity:
+            self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, f"{message.OP} before gpu_hello "
+                                                           "(or from a GPU worker that was replaced)"))  # fmt: skip
+            return
+        if isinstance(message, GpuReady):
+            self._gpu_ready(identity, message)
+        elif isinstance(message, (Routes, Fence)):
+            if not self.io_ready:
+                self._send(self.gpu_sock, identity, ErrorReply(NOT_READY, "the I/O workers are not ready yet"))
+                return
+            epoch = self.gpu.epoch
+            reply = await self.leases.handle(message)
+            if self.gpu.epoch != epoch:  # the worker was lost while its wave was being loaded
+                self.leases.release_for_lost_worker("lost while its wave was being loaded")
+                return
+            self._send(self.gpu_sock, identity, reply)
+        elif isinstance(message, (Token, JobDone, JobError)):
+            await self.front.on_gpu(message)
+        elif isinstance(message, ErrorReply):
+            logger.warning("the GPU worker reported %s: %s", message.code, message.message)
+
+    async def _gpu_hello(self, identity: bytes, hello: GpuHello) -> None:
+        current = self.gpu
+        if current.identity is not None:
+            if current.identity == identity and current.pid == hello.pid:
+                logger.info("GPU worker pid %d said hello again", hello.pid)
+                self._welcome(identity)
+                return
+            if current.pid != hello.pid and _alive(current.pid):
+                # Releasing a live worker's lease could let a slot be rewritten under its reads.
+                message = f"GPU worker pid {current.pid} is connected and alive; refusing pid {hello.pid}"
+                logger.warning("%s", message)
+                self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
+                return
+            await self._gpu_lost(f"a new GPU worker (pid {hello.pid}) said hello")
+        self.gpu = _GpuSession(epoch=self.gpu.epoch + 1, identity=identity, pid=hello.pid)
+        logger.info("GPU worker pid %d connected", hello.pid)
+        self._welcome(identity)
+
+    def _welcome(self, identity: bytes) -> None:
+        plan = self.config.plan
+        self._send(self.gpu_sock, identity, GpuWelcome(slab_name=self.slab.name, total_slots=plan.total_slots,
+                                                       slot_bytes=plan.slot_bytes, working_slots=plan.working_slots,
+                                                       block_size=self.store.block_size))  # fmt: skip
+
+    def _gpu_ready(self, identity: bytes, ready: GpuReady) -> None:
+        if tuple(ready.sparse_layers) != tuple(self.store.sparse_layers):
+            message = (f"GPU worker's sparse layers {list(ready.sparse_layers)} are not the store's "
+                       f"{list(self.store.sparse_layers)}")  # fmt: skip
+            logger.error("%s", message)
+            self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
+            return
+        self.gpu = _GpuSession(epoch=self.gpu.epoch, identity=identity, pid=self.gpu.pid, ready=True,
+                               dense_bytes=ready.dense_bytes, wrap_path=ready.wrap_path)  # fmt: skip
+        logger.info("GPU worker pid %d ready: %d dense bytes, wrap path %s", ready.pid, ready.dense_bytes,
+                    ready.wrap_path)  # fmt: skip
+        self.front.poke()
+
+    async def _gpu_lost(self, reason: str) -> None:
+        logger.error("GPU worker lost: %s", reason)
+        self.gpu = _GpuSession(epoch=self.gpu.epoch + 1)
+        self.leases.release_for_lost_worker(reason)
+        await self.front.gpu_lost(reason)
+
+    # ------------------------------------------------------ JobHost
+
+    def send_client(self, identity: bytes, message: object) -> None:
+        self._send(self.jobs_sock, identity, message)
+
+    def send_gpu(self, message: object) -> bool:
+        return self.gpu.identity is not None and self._send(self.gpu_sock, self.gpu.identity, message)
+
+    def ready(self) -> bool:
+        return self.io_ready and self.gpu.ready and not self.stopping
+
+    def health(self, request_id: str) -> HealthReply:
+        return HealthReply(id=request_id, ready=self.ready(), pid=os.getpid(), io_workers=len(self.io.worker_modes()),
+                           gpu_worker=self.gpu.ready, accepting=not self.stopping)  # fmt: skip
+
+    def begin_job(self, job_id: int) -> None:
+        self.leases.begin_job()
+        self._violations = self._hook_violations()
+
+    async def end_job(self, job_id: int, done: JobDone | None) -> tuple[JobStats, str | None]:
+        lease = self.leases.end_job()
+        try:
+            fallback = sum(t.fallback_ops for t in await self.io.request_telemetry(timeout=2.0))
+        except Exception as error:  # telemetry is a nicety; the job's answer must not wait on it
+            logger.warning("I/O worker telemetry unavailable: %s", error)
+            fallback = self._fallback_ops
+        fallback_delta, self._fallback_ops = max(0, fallback - self._fallback_ops), fallback
+        footprint = self.backend.physical_footprint() + self.gpu.dense_bytes
+        self._peak_footprint = max(self._peak_footprint, footprint)
+        stats = job_stats(lease, done, wrap_path=self.gpu.wrap_path, footprint=footprint, peak=self._peak_footprint,
+                          budget=self.config.plan.budget_bytes, io_fallback_ops=fallback_delta)  # fmt: skip
+        violations = self._hook_violations() - self._violations
+        if isinstance(self.backend, HookedBackend):
+            hooked = self.backend
+            logger.info("test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
+                        job_id, hooked.scribbles, hooked.restores, hooked.verified, hooked.violations)  # fmt: skip
+        problem = None
+        if violations:
+            messages = self.backend.messages[-violations:] if isinstance(self.backend, HookedBackend) else []
+            problem = f"{violations} test hook violation(s): " + "; ".join(messages[:5])
+        return stats, problem
+
+    # ------------------------------------------------------ helpers
+
+    def _hook_violations(self) -> int:
+        return self.backend.violations if isinstance(self.backend, HookedBackend) else 0
+
+    def _send(self, sock: zmq.asyncio.Socket, identity: bytes, message: object) -> bool:
+        try:
+            sent = sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT)  # type: ignore[arg-type]
+        except zmq.ZMQError as error:
+            logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
+            return False
+        error = sent.exception() if sent.done() else None  # DONTWAIT resolves at once
+        if error is not None:
+            logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        """Answer queued and running jobs, ask the I/O workers to exit; the caller closes the sockets."""
+        self.stopping = True
+        self.front.shutdown(SHUTTING_DOWN, "the coordinator is shutting down")
+        self.io.shutdown_workers()
+
+
+def _check(config: RunConfig, store: ExpertStore) -> None:
+    if store.slot_bytes != config.plan.slot_bytes or len(store.sparse_layers) != config.plan.sparse_layers:
+        raise ValueError(f"the store ({store.slot_bytes}-byte slots, {len(store.sparse_layers)} sparse layers) does "
+                         f"not match the plan ({config.plan.slot_bytes}, {config.plan.sparse_layers})")  # fmt: skip
+    if len(store.manifest) != config.manifest_files:
+        raise ValueError(f"the store has {len(store.manifest)} files; the manifest {config.manifest_files}")
+
+
+async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> int:
+    """Serve until SIGTERM/SIGINT or the parent's death; the exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if death_fd is not None:
+        def on_death() -> None:
+            try:
+                data = os.read(death_fd, 64)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                logger.warning("parent process is gone; exiting")
+                loop.remove_reader(death_fd)
+                stop.set()
+
+        os.set_blocking(death_fd, False)
+        loop.add_reader(death_fd, on_death)
+    context = zmq.asyncio.Context()
+    slab = coordinator = ledger = io = None
+    sockets: list[zmq.asyncio.Socket] = []
+    tasks: list[asyncio.Task] = []
+    code = EXIT_OK
+    try:
+        slab = Slab.attach(config.slab.name, total_slots=config.slab.total_slots, slot_bytes=config.slab.slot_bytes)
+        store = ExpertStore.open(config.model_dir, block_size=config.block_size)
+        _check(config, store)
+        if config.usage_file:
+            ledger = ExpertUsageLedger.open(config.usage_file, layers=store.sparse_layers,
+                                            experts_per_layer=store.experts_per_layer)  # fmt: skip
+        io = IOWorkerBackend(slab=slab, endpoint=config.endpoints.io, workers=config.io_workers,
+                             files=len(store.manifest), context=context)  # fmt: skip
+        sockets.append(_router(context, config.endpoints.gpu, GPU_MAX_MESSAGE_BYTES))
+        sockets.append(_router(context, config.endpoints.jobs, JOBS_MAX_MESSAGE_BYTES))
+        coordinator = Coordinator(config=config, store=store, slab=slab, io=io, gpu_sock=sockets[0],
+                                  jobs_sock=sockets[1], ledger=ledger)  # fmt: skip
+        logger.info("serving %s: %d slots of %d bytes (%d working, %d per layer, %d pinned); jobs at %s",
+                    config.model_dir, config.plan.total_slots, config.plan.slot_bytes, config.plan.working_slots,
+                    config.plan.slots_per_layer, config.plan.pinned_slots, config.endpoints.jobs)  # fmt: skip
+        tasks = [loop.create_task(coro, name=coro.__name__) for coro in (
+            coordinator.start_io(), coordinator.serve_gpu(), coordinator.serve_jobs(), coordinator.watch_gpu())]
+        stopper = loop.create_task(stop.wait(), name="stop")
+        pending = {stopper, *tasks}
+        while stopper in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [task for task in done if task is not stopper and task.exception() is not None]
+            if failed:  # the I/O workers never became ready, or a server loop broke
+                for task in failed:
+                    logger.error("%s failed: %s", task.get_name(), task.exception())
+                code = EXIT_FAILED
+                break
+        stopper.cancel()
+        logger.info("stopping")
+        return code
+    except Exception as error:
+        logger.error("coordinator failed: %s", error, exc_info=not isinstance(error, (OSError, ValueError)))
+        return EXIT_FAILED
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            if coordinator is not None:
+                coordinator.shutdown()
+                await asyncio.sleep(0.05)  # linger is 0: let the last replies and shutdowns leave first
+        finally:
+            for sock in sockets:  # every socket closed before the context is terminated
+                sock.close(linger=0)
+            if io is not None:
+                await io.aclose()
+            if ledger is not None:
+                try:
+                    ledger.flush()
+                except OSError as error:
+                    logger.error("usage ledger flush failed: %s", error)
+            if slab is not None:
+                slab.close()
+            context.term()
+        if death_fd is not None:
+            loop.remove_reader(death_fd)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the run's config.json")
+    parser.add_argument("--death-fd", type=int, default=None, help="read end of the parent's death pipe")
+    parser.add_argument("--log-level", default=None, help="overrides the config's log level")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    try:
+        config = read_config(args.config)
+    except ValueError as error:
+        logger.error("%s", error)
+        return EXIT_FAILED
+    logging.getLogger().setLevel((args.log_level or config.log_level).upper())
+    return asyncio.run(run_coordinator(config, death_fd=args.death_fd))
+
+
+__all__ = ["Coordinator", "main", "parse_args", "run_coordinator"]

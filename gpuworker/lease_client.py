@@ -1,0 +1,375 @@
+"""The lease protocol on the GPU worker's DEALER socket: an `ExpertProvider` over ZMQ.
+
+The model's forward pass is synchronous, so is this client: `acquire` sends
+`Routes` and blocks for the `Lease` of wave 0; each later wave is leased
+lazily, when the module takes it, by `Fence(previous, next=True)`. The wave
+partition is the coordinator's (`build_expert_batch_union`: unique experts in
+first-seen row-major order, chunks of `working_slots`), predicted here so the
+module knows every wave's experts up front and each lease can be checked
+against it.
+
+Fences are deferred, never early: a wave fenced by the module is only marked
+done; the coordinator hears of it when the next wave is wanted (`next=True`),
+with the next layer's `Routes` (the visit's last wave, piggybacked), or at
+`end_step` after the forward pass (`next=False` -> `Fenced`), so that between
+tokens nothing is leased (the coordinator's safe point).
+
+Waiting for replies (and for cancels, jobs and garbage arriving meanwhile)
+is `gpuworker.channel.Channel`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from gpuworker.channel import Channel, LeaseError, ParentGone, WorkerStopping
+from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, slot_arrays, stacked_slot_arrays, zero_copy_supported
+from gpuworker.streamed import ExpertProviderError, LeasedWave
+from shared.gpu_messages import Fence, Fenced, Lease, RouteMatrix, Routes
+
+__all__ = [
+    "Channel",
+    "LeaseClient",
+    "LeaseError",
+    "LayerLeaseStats",
+    "LeaseStats",
+    "ParentGone",
+    "WorkerStopping",
+    "wave_partition",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def wave_partition(routes: np.ndarray, working_slots: int) -> list[tuple[int, ...]]:
+    """The waves the coordinator leases for `routes`: unique experts, first-seen row-major
+    then rank-major, `working_slots` at a time (`build_expert_batch_union`, in numpy)."""
+    flat = np.asarray(routes).reshape(-1)
+    values, first = np.unique(flat, return_index=True)
+    order = values[np.argsort(first, kind="stable")].tolist()
+    return [tuple(order[start : start + working_slots]) for start in range(0, len(order), working_slots)]
+
+
+# ----------------------------------------------------------------------------- the provider
+
+
+DECODE, PREFILL = "decode", "prefill"
+END_STEP = -1  # the `layer` of the fence round trip after a forward pass (not a layer visit)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLeaseStats:
+    """One layer's share of a job, for one phase (a visit of one route row is decode)."""
+
+    layer: int  # END_STEP: the fences sent after forward passes
+    phase: str  # DECODE | PREFILL
+    visits: int = 0
+    round_trips: int = 0
+    wait_ms: float = 0.0  # routes -> lease and fence -> lease/fenced round trips
+    copy_ms: float = 0.0  # slots -> mx arrays
+    experts: int = 0  # experts leased (unique per visit)
+    hits: int = 0  # of which already resident (the coordinator's count)
+    bytes_copied: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStats:
+    round_trips: int = 0
+    leases: int = 0
+    lease_wait_ms: float = 0.0
+    bytes_copied: int = 0
+    copy_ms: float = 0.0
+    wrap_path: str = COPY
+    layers: tuple[LayerLeaseStats, ...] = ()  # per (layer, phase), sorted
+
+
+@dataclass(slots=True)
+class _Visit:
+    """One `acquire`: the predicted waves and the lease each one got (None: not yet/never)."""
+
+    layer: int
+    waves: list[tuple[int, ...]]
+    leases: list[Lease | None] = field(default_factory=list)
+    fenced: list[bool] = field(default_factory=list)
+    stacked: bool = False  # the waves' tensors come stacked (the copy path)
+
+
+class _Wave(LeasedWave):
+    __slots__ = ("visit", "index")
+
+
+class LeaseClient:
+    """`ExpertProvider` on the coordinator's lease protocol (see the module docstring)."""
+
+    def __init__(self, channel: Channel, *, store, buffer, total_slots: int, slot_bytes: int,
+                 working_slots: int, reply_timeout_s: float = 60.0, zero_copy: bool | None = None) -> None:  # fmt: skip
+        if working_slots < 1:
+            raise ValueError(f"working_slots must be >= 1, got {working_slots}")
+        self.channel = channel
+        self.store = store
+        self.buffer = buffer
+        self.total_slots = int(total_slots)
+        self.slot_bytes = int(slot_bytes)
+        self.working_slots = int(working_slots)
+        self.reply_timeout_s = reply_timeout_s
+        self.zero_copy = zero_copy
+        self._visit: _Visit | None = None
+        self._unsent: int | None = None  # a lease fenced here, not yet told to the coordinator
+        self._unsent_last = False  # ... and it was its visit's last wave (may ride on Routes)
+        wraps = zero_copy if zero_copy is not None else zero_copy_supported()
+        self.wrap_path = ZERO_COPY if wraps else COPY  # what a job that leased nothing reports
+        # The copy path writes each leased slot once, straight into stacked arrays of this pool.
+        self._stack_pool = StackBuffers() if self.wrap_path == COPY else None
+        self._stats = _Counters(wrap_path=self.wrap_path)
+        self._phase = DECODE
+        self._bucket: list = self._stats.bucket(END_STEP, DECODE)  # where the next round trip is counted
+
+    # -- telemetry --------------------------------------------------------------------------------
+
+    def stats(self) -> LeaseStats:
+        s = self._stats
+        layers = tuple(LayerLeaseStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6])
+                       for (layer, phase), c in sorted(s.layers.items(), key=lambda item: (item[0][1], item[0][0])))
+        return LeaseStats(s.round_trips, s.leases, s.wait_s * 1e3, s.bytes_copied, s.copy_s * 1e3, s.wrap_path,
+                          layers)  # fmt: skip
+
+    def reset_stats(self) -> None:
+        self._stats = _Counters(wrap_path=self.wrap_path)
+        self._bucket = self._stats.bucket(END_STEP, DECODE)
+
+    @property
+    def holding(self) -> bool:
+        """Whether the coordinator may still consider a lease of this worker active."""
+        return self._unsent is not None or (
+            self._visit is not None and any(lease is not None for lease in self._visit.leases))
+
+    # -- ExpertProvider ---------------------------------------------------------------------------
+
+    def acquire(self, layer: int, routes: np.ndarray) -> Sequence[LeasedWave]:
+        if self.channel.stop_requested():
+            raise WorkerStopping("stop requested")
+        if self._visit is not None or (self._unsent is not None and not self._unsent_last):
+            # A visit the module left unfinished (it always fences every wave): end it first.
+            self.release()
+        waves = wave_partition(routes, self.working_slots)
+        piggyback, self._unsent = self._unsent, None
+        visit = _Visit(layer, waves, [None] * len(waves), [False] * len(waves),
+                       stacked=self._stack_pool is not None)  # fmt: skip
+        self._visit = visit
+        self._phase = DECODE if routes.shape[0] == 1 else PREFILL
+        self._bucket = self._stats.bucket(layer, self._phase)
+        self._bucket[0] += 1
+        try:
+            try:
+                lease = self._request(Routes(layer=layer, routes=RouteMatrix(routes), fence=piggyback),
+                                      f"routes of layer {layer}", piggyback=piggyback)  # fmt: skip
+            except LeaseError:
+                self._settle(piggyback)
+                raise
+            first = self._admit(visit, 0, lease)
+        except BaseException:
+            self._visit = None
+            raise
+        result = [_make_wave(visit, 0, first)]
+        for index in range(1, len(waves)):
+            result.append(_make_wave(visit, index, lambda index=index: self._load_next(visit, index)))
+        return result
+
+    def fence(self, wave: LeasedWave) -> None:
+        visit, index = getattr(wave, "visit", None), getattr(wave, "index", None)
+        if visit is None or index is None:
+            raise ExpertProviderError(f"fence of {wave!r}, which this client did not lease")
+        if visit.fenced[index]:
+            logger.warning("layer %d wave %d fenced twice", visit.layer, index)
+            return
+        visit.fenced[index] = True
+        lease = visit.leases[index]
+        if lease is None:
+            # Never leased (the module gave up before reaching it): end the visit here.
+            self._flush()
+            if self._visit is visit:
+                self._visit = None
+            return
+        last = index == len(visit.waves) - 1
+        # The module has evaluated and dropped everything reading the wave; telling the
+        # coordinator can wait (deferring a fence is always safe, sending one early never is).
+        self._unsent, self._unsent_last = lease.lease_id, last
+        if last and self._visit is visit:
+            self._visit = None
+
+    # -- forward-pass boundaries ------------------------------------------------------------------
+
+    def end_step(self) -> None:
+        """After a forward pass: fence what is held, so nothing is leased between tokens."""
+        if self._visit is not None:
+            visit = self._visit
+            self.release()
+            raise LeaseError(f"layer {visit.layer}: forward pass ended with waves not fenced")
+        if self._unsent is not None:
+            self._bucket = self._stats.bucket(END_STEP, self._phase)
+        self._flush()
+
+    def release(self) -> None:
+        """Error and stop path: tell the coordinator every lease this client still holds."""
+        visit, self._visit = self._visit, None
+        if visit is not None:
+            for index, lease in enumerate(visit.leases):
+                if lease is not None and not visit.fenced[index]:
+                    if self._unsent is not None:
+                        self._flush()
+                    visit.fenced[index] = True
+                    self._unsent, self._unsent_last = lease.lease_id, False
+        self._flush()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self._unsent is None:
+            return
+        lease_id, self._unsent = self._unsent, None
+        reply = self._round_trip(Fence(lease_id=lease_id, next=False), f"fence of lease {lease_id}")
+        if not (isinstance(reply, Fenced) and reply.lease_id == lease_id):
+            raise LeaseError(f"fence of lease {lease_id}: expected fenced {lease_id}, got {reply!r}")
+
+    def _round_trip(self, message: object, what: str) -> object:
+        started = time.perf_counter()
+        self.channel.send(message)
+        try:
+            return self.channel.wait_reply(what, timeout_s=self.reply_timeout_s)
+        finally:
+            elapsed = time.perf_counter() - started
+            self._stats.round_trips += 1
+            self._stats.wait_s += elapsed
+            self._bucket[1] += 1
+            self._bucket[2] += elapsed
+
+    def _request(self, message: object, what: str, *, piggyback: int | None = None) -> Lease:
+        reply = self._round_trip(message, what)
+        # A `fenced` for the fence that rode on Routes is tolerated, not required.
+        while isinstance(reply, Fenced) and piggyback is not None and reply.lease_id == piggyback:
+            piggyback = None
+            reply = self.channel.wait_reply(what, timeout_s=self.reply_timeout_s)
+        if not isinstance(reply, Lease):
+            raise LeaseError(f"{what}: expected a lease, got {reply!r}")
+        self._stats.leases += 1
+        self._bucket[4] += len(reply.experts)
+        self._bucket[5] += reply.hits
+        return reply
+
+    def _load_next(self, visit: _Visit, index: int) -> list[dict[str, mx.array]]:
+        """Wave `index`'s tensors: only now, after wave index-1's fence, may its slots be filled."""
+        previous = visit.leases[index - 1]
+        if previous is None or not visit.fenced[index - 1] or self._unsent != previous.lease_id:
+            raise ExpertProviderError(f"layer {visit.layer}: wave {index} taken before wave {index - 1} was fenced")
+        if self.channel.stop_requested():
+            raise WorkerStopping("stop requested")  # the module's error path fences wave index-1
+        self._unsent = None
+        try:
+            lease = self._request(Fence(lease_id=previous.lease_id, next=True),
+                                  f"fence of lease {previous.lease_id} (next wave of layer {visit.layer})")  # fmt: skip
+        except LeaseError:
+            self._settle(previous.lease_id)
+            raise
+        return self._admit(visit, index, lease)
+
+    def _settle(self, lease_id: int | None) -> None:
+        """A refused request carried the fence of `lease_id`: whether the coordinator applied it
+        is unknown, so fence it alone; "nothing held" is an answer too."""
+        if lease_id is None:
+            return
+        try:
+            self._round_trip(Fence(lease_id=lease_id, next=False), f"fence of lease {lease_id} (settling)")
+        except LeaseError as error:
+            logger.info("settling lease %d: %s", lease_id, error)
+
+    def _admit(self, visit: _Visit, index: int, lease: Lease) -> list[dict[str, mx.array]]:
+        """Check `lease` is wave `index` of `visit`, and wrap its slots; on failure fence it unread."""
+        try:
+            self._check(visit, index, lease)
+            visit.leases[index] = lease
+            return self._wrap(visit.layer, visit.waves[index], lease)
+        except BaseException:
+            # Nothing read the slots (or the copies are garbage now): give them back at once.
+            # The module's error path then fences the wave as never leased (a no-op).
+            visit.leases[index] = None
+            self._unsent, self._unsent_last = lease.lease_id, False
+            try:
+                self._flush()
+            except Exception:
+                logger.exception("fence of refused lease %d failed", lease.lease_id)
+            raise
+
+    def _check(self, visit: _Visit, index: int, lease: Lease) -> None:
+        where = f"lease {lease.lease_id} (layer {visit.layer} wave {index})"
+        want = visit.waves[index]
+        if lease.layer != visit.layer:
+            raise LeaseError(f"{where}: names layer {lease.layer}")
+        if lease.wave != index or lease.waves != len(visit.waves):
+            raise LeaseError(f"{where}: is wave {lease.wave} of {lease.waves}; expected wave {index} "
+                             f"of {len(visit.waves)} (working bank {self.working_slots})")  # fmt: skip
+        if not (len(lease.experts) == len(lease.slots) == len(lease.generations)):
+            raise LeaseError(f"{where}: {len(lease.experts)} experts, {len(lease.slots)} slots, "
+                             f"{len(lease.generations)} generations")  # fmt: skip
+        if len(set(lease.experts)) != len(lease.experts) or set(lease.experts) != set(want):
+            raise LeaseError(f"{where}: leases experts {list(lease.experts)}; the wave routes {sorted(want)}")
+        bad = [slot for slot in lease.slots if slot >= self.total_slots]
+        if bad:
+            raise LeaseError(f"{where}: slots {bad} are outside the slab's {self.total_slots} slots")
+        if len(set(lease.slots)) != len(lease.slots):
+            raise LeaseError(f"{where}: a slot is leased twice: {list(lease.slots)}")
+
+    def _wrap(self, layer: int, expert_ids: tuple[int, ...], lease: Lease):
+        """The wave's tensors: stacked in ascending expert id (copy path: one copy, into the
+        pool), or per expert in `expert_ids` order (zero copy: views of the slots)."""
+        slot_of = dict(zip(lease.experts, lease.slots))
+        started = time.perf_counter()
+        if self._stack_pool is not None:
+            ordered = sorted(expert_ids)
+            tensors, wrap = stacked_slot_arrays(self.buffer, [slot_of[e] for e in ordered], self.slot_bytes,
+                                                [self.store.layout(layer, e) for e in ordered], self._stack_pool)
+            copied = wrap.bytes_copied
+            self._stats.wrap_path = wrap.path
+        else:
+            tensors, copied = [], 0
+            for expert in expert_ids:
+                arrays, wrap = slot_arrays(self.buffer, slot_of[expert], self.slot_bytes,
+                                           self.store.layout(layer, expert), zero_copy=self.zero_copy)  # fmt: skip
+                copied += wrap.bytes_copied
+                self._stats.wrap_path = wrap.path
+                tensors.append(arrays)
+        elapsed = time.perf_counter() - started
+        self._stats.bytes_copied += copied
+        self._stats.copy_s += elapsed
+        self._bucket[3] += elapsed
+        self._bucket[6] += copied
+        return tensors
+
+
+@dataclass(slots=True)
+class _Counters:
+    round_trips: int = 0
+    leases: int = 0
+    wait_s: float = 0.0
+    bytes_copied: int = 0
+    copy_s: float = 0.0
+    wrap_path: str = COPY
+    # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied]
+    layers: dict[tuple[int, str], list] = field(default_factory=dict)
+
+    def bucket(self, layer: int, phase: str) -> list:
+        found = self.layers.get((layer, phase))
+        if found is None:
+            found = self.layers[layer, phase] = [0, 0, 0.0, 0.0, 0, 0, 0]
+        return found
+
+
+def _make_wave(visit: _Visit, index: int, tensors) -> _Wave:
+    wave = _Wave(visit.waves[index], tensors, lease=(visit.layer, index), stacked=visit.stacked)
+    wave.visit, wave.index = visit, index
+    return wave

@@ -1,0 +1,129 @@
+"""Child processes of the launcher: spawned with a death pipe, stderr kept and forwarded.
+
+`spawn_child(name, argv)` starts `argv + ["--death-fd", N]`, where N is the
+read end of a pipe only this process can write to: the child exits when it
+reports end of file (the launcher closed it, or died). The child's stderr is
+forwarded line by line to the `moeslab.<name>` logger and its last lines are
+kept, so a failed start can be reported in the child's own words.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+logger = logging.getLogger("moeslab.launch")
+
+STDERR_TAIL_LINES = 40
+_REPO = str(Path(__file__).resolve().parents[1])
+
+
+class TailSource(Protocol):
+    """A process handle that already pumps its stderr (ioworker.spawn.WorkerProcess)."""
+
+    def stderr_tail(self, lines: int = 20) -> list[str]: ...
+
+
+class ChildProcess:
+    """One spawned child: its Popen, the write end of its death pipe, its recent stderr lines.
+
+    Each stderr line is forwarded to the `moeslab.<name>` logger as it arrives."""
+
+    def __init__(self, name: str, process: subprocess.Popen[bytes], death_w: int | None, *,
+                 tail_source: TailSource | None = None) -> None:  # fmt: skip
+        self.name, self.process, self.death_w = name, process, death_w
+        self._tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._reader: threading.Thread | None = None
+        self._source = tail_source  # a process whose stderr someone else already pumps
+        if process.stderr is not None and tail_source is None:
+            self._reader = threading.Thread(target=self._pump, name=f"{name}-stderr", daemon=True)
+            self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def stderr_tail(self, lines: int = 20) -> list[str]:
+        if self._source is not None:
+            return self._source.stderr_tail(lines)
+        if self.process.poll() is not None and self._reader is not None:
+            self._reader.join(timeout=1.0)
+        return list(self._tail)[-lines:]
+
+    def describe(self) -> str:
+        code = self.exit_code
+        if code is None:
+            state = "is still running"
+        elif code < 0:
+            state = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        else:
+            state = f"exited with code {code}"
+        tail = self.stderr_tail()
+        lines = "\n".join(f"  {line}" for line in tail) if tail else "  (no stderr output)"
+        return f"{self.name} (pid {self.pid}) {state}; last stderr lines:\n{lines}"
+
+    def close_death_pipe(self) -> None:
+        if self.death_w is not None:
+            os.close(self.death_w)
+            self.death_w = None
+
+    def join(self) -> None:
+        if self._source is not None:
+            self._source.stderr_tail(0)  # joins its pump once the child has exited
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+
+    def _pump(self) -> None:
+        stream = self.process.stderr
+        assert stream is not None
+        child_logger = logging.getLogger(f"moeslab.{self.name.replace(' ', '-')}")
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self._tail.append(line)
+            level = next((lv for word, lv in _LEVELS if f" {word} " in line), logging.INFO)
+            child_logger.log(level, "%s", line)
+        stream.close()
+
+
+_LEVELS = (("CRITICAL", logging.CRITICAL), ("ERROR", logging.ERROR), ("WARNING", logging.WARNING),
+           ("DEBUG", logging.DEBUG))  # fmt: skip
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def spawn_child(name: str, argv: Sequence[str], *, death: bool = True) -> ChildProcess:
+    """Start `argv` + `--death-fd N` (the read end of a pipe only the launcher can write to)."""
+    death_r, death_w = os.pipe() if death else (None, None)
+    try:
+        command = list(argv) + (["--death-fd", str(death_r)] if death_r is not None else [])
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, pass_fds=() if death_r is None else (death_r,),
+                                   close_fds=True, env=child_env())  # fmt: skip
+    except BaseException:
+        for fd in (death_r, death_w):
+            if fd is not None:
+                os.close(fd)
+        raise
+    if death_r is not None:
+        os.close(death_r)  # the child holds it now
+    logger.debug("spawned %s as pid %d: %s", name, process.pid, command)
+    return ChildProcess(name, process, death_w)
+
+
+__all__ = ["STDERR_TAIL_LINES", "ChildProcess", "child_env", "spawn_child"]

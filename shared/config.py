@@ -1,0 +1,205 @@
+"""The run configuration: written once by the launcher, read by the coordinator.
+
+`RUN_DIR/config.json` holds everything a coordinator needs to serve one run:
+the residency plan, the slab's name and geometry, the model directory, the
+three endpoints, the I/O mode, the pinned experts, the usage file and any
+test hooks. It is plain JSON (no pickle); `read_config` checks every field
+and names the offending one, so a damaged file fails the start clearly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.residency_plan import ExpertResidencyPlan
+
+CONFIG_VERSION = 1
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+IO_MODES = ("auto", "direct", "dontneed", "buffered")
+TEST_HOOKS = ("scribble_fenced", "verify_fenced")
+# sun_path is 108 bytes on Linux, 104 on macOS; keep a margin for the socket names.
+MAX_IPC_PATH = 100
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlabSpec:
+    name: str
+    total_slots: int
+    slot_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    io: str  # I/O workers' DEALERs connect here (the coordinator's ROUTER)
+    gpu: str  # the GPU worker's DEALER
+    jobs: str  # clients
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    run_dir: str
+    model_dir: str
+    block_size: int
+    manifest: str  # JSON array of the checkpoint's absolute file paths (what I/O workers may read)
+    manifest_files: int
+    plan: ExpertResidencyPlan
+    slab: SlabSpec
+    endpoints: Endpoints
+    io_workers: int
+    io_mode: str
+    kv_reserve_bytes: int
+    dense_bytes: int
+    pinned: tuple[tuple[int, ...], ...] = ()  # (layer, expert) pairs, len == plan.pinned_slots
+    usage_file: str | None = None
+    test_hooks: tuple[str, ...] = ()
+    log_level: str = "INFO"
+    start_timeout_s: float = 120.0  # how long the coordinator waits for its I/O workers
+    version: int = CONFIG_VERSION
+
+
+def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
+    """The ipc endpoints of a run directory; refuses one too long for a socket path."""
+    root = os.path.abspath(os.fspath(run_dir))
+    longest = os.path.join(root, "jobs")
+    if len(longest.encode()) > MAX_IPC_PATH:
+        raise ConfigError(f"run directory {root!r} is too long for ipc socket paths "
+                          f"({len(longest.encode())} > {MAX_IPC_PATH} bytes)")  # fmt: skip
+    return Endpoints(io=f"ipc://{root}/io", gpu=f"ipc://{root}/gpu", jobs=f"ipc://{root}/jobs")
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The filesystem path of an `ipc://` endpoint (None for other transports)."""
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def write_config(config: RunConfig, path: str | os.PathLike[str]) -> None:
+    """Write atomically (temp file + rename), mode 0600."""
+    target = Path(path)
+    temp = target.with_name(f".{target.name}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(config_to_dict(config), handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    os.replace(temp, target)
+
+
+def _value(kind: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(kind):
+            return None
+        (inner,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return _value(inner, value, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be an array, got {value!r}")
+        item = typing.get_args(kind)[0]
+        return tuple(_value(item, entry, f"{where}[{index}]") for index, entry in enumerate(value))
+    if dataclasses.is_dataclass(kind):
+        return _build(kind, value, where)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{where} must be a non-negative integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{where} must be a positive number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: unsupported config type {kind!r}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}")
+    values = {}
+    for name, spec in fields.items():
+        if name not in data:
+            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{where}: missing field {name!r}")
+            continue
+        values[name] = _value(hints[name], data[name], f"{where}.{name}")
+    return cls(**values)
+
+
+def check_config(config: RunConfig) -> RunConfig:
+    """Cross-field checks; returns `config` or raises ConfigError naming the mismatch."""
+    if config.version != CONFIG_VERSION:
+        raise ConfigError(f"config version {config.version} is not {CONFIG_VERSION}")
+    plan, slab = config.plan, config.slab
+    if slab.total_slots != plan.total_slots or slab.slot_bytes != plan.slot_bytes:
+        raise ConfigError(f"slab {slab.total_slots} x {slab.slot_bytes} bytes does not match the plan's "
+                          f"{plan.total_slots} x {plan.slot_bytes}")  # fmt: skip
+    if config.io_mode not in IO_MODES:
+        raise ConfigError(f"io_mode must be one of {IO_MODES}, got {config.io_mode!r}")
+    if config.io_workers < 1:
+        raise ConfigError(f"io_workers must be >= 1, got {config.io_workers}")
+    unknown = [hook for hook in config.test_hooks if hook not in TEST_HOOKS]
+    if unknown:
+        raise ConfigError(f"unknown test hook(s) {unknown}; known: {list(TEST_HOOKS)}")
+    if len(config.pinned) != plan.pinned_slots or any(len(pair) != 2 for pair in config.pinned):
+        raise ConfigError(f"pinned must hold {plan.pinned_slots} (layer, expert) pairs, got {list(config.pinned)}")
+    for name in ("io", "gpu", "jobs"):
+        if not getattr(config.endpoints, name):
+            raise ConfigError(f"endpoints.{name} is empty")
+    return config
+
+
+def config_from_dict(data: Any) -> RunConfig:
+    return check_config(_build(RunConfig, data, "config"))
+
+
+def read_config(path: str | os.PathLike[str]) -> RunConfig:
+    """Load and check a config.json; ConfigError names the file and the bad field."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"cannot read run configuration {os.fspath(path)}: {error}") from None
+    try:
+        return config_from_dict(data)
+    except ConfigError as error:
+        raise ConfigError(f"{os.fspath(path)}: {error}") from None
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "CONFIG_VERSION",
+    "IO_MODES",
+    "MANIFEST_FILE",
+    "TEST_HOOKS",
+    "ConfigError",
+    "Endpoints",
+    "RunConfig",
+    "SlabSpec",
+    "check_config",
+    "config_from_dict",
+    "config_to_dict",
+    "ipc_path",
+    "read_config",
+    "run_endpoints",
+    "write_config",
+]

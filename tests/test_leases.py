@@ -1,0 +1,313 @@
+"""The lease service against the real residency manager over InMemoryBackend (no processes).
+
+Waves, the piggybacked fence, per-job statistics, a lost GPU worker, and every
+refusal leaving the state exactly as it was; then the test hooks around a
+backend that writes real bytes into a real slab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+
+from coordinator.leases import LOAD_FAILED, LeaseService
+from coordinator.memory_backend import InMemoryBackend
+from coordinator.residency import (
+    ExpertIOSegment,
+    ExpertResidencyLocation,
+    ExpertResidencyManager,
+    plan_expert_residency,
+)
+from coordinator.test_hooks import SCRIBBLE, HookedBackend, wrap_backend
+from coordinator.usage import ExpertUsageLedger
+from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, RouteMatrix, Routes
+from shared.protocol import BAD_REQUEST, ErrorReply, decode, encode
+from shared.slab import Slab
+
+LAYERS = (1, 3)
+EXPERTS = 8
+
+
+def run_async(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+def locate(layer: int, expert: int) -> ExpertResidencyLocation:
+    return ExpertResidencyLocation(layer, expert, (ExpertIOSegment(file=0, offset=(layer * 100 + expert) * 64,
+                                                                   length=64, destination=0),))  # fmt: skip
+
+
+def make(*, working=2, per_layer=1, backend=None, usage=None):
+    plan = plan_expert_residency(budget_bytes=10**9, fixed_bytes=0, slot_bytes=1, sparse_layers=len(LAYERS),
+                                 working_slots=working, max_slots_per_layer=per_layer)  # fmt: skip
+    backend = backend if backend is not None else InMemoryBackend(plan.total_slots)
+    manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=LAYERS, backend=backend, locate=locate, usage=usage)
+    return LeaseService(manager=manager, experts_per_layer=EXPERTS), manager, backend
+
+
+def routes(layer, rows, fence=None) -> Routes:
+    message = Routes(layer=layer, routes=RouteMatrix(np.array(rows, dtype=np.int32)), fence=fence)
+    return decode(encode(message), COORDINATOR_ACCEPTS_FROM_GPU)  # as it arrives over the wire
+
+
+def state(service, manager, backend, usage=None):
+    """Everything a refused request must leave untouched."""
+    snapshot = manager.snapshot()
+    slots = tuple(backend.state(slot) for slot in range(backend.slots))
+    resident = tuple((e.slot, e.layer, e.expert_id) for e in manager.residency_map())
+    counts = usage.snapshot() if usage is not None else None
+    return service.held, snapshot, slots, resident, manager.active, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Waves and fences
+
+
+@run_async
+async def test_single_wave_lease_and_fence():
+    service, manager, backend = make()
+    lease = await service.handle(routes(1, [[0, 5]]))
+    assert isinstance(lease, Lease)
+    assert (lease.layer, lease.wave, lease.waves, lease.experts, lease.hits) == (1, 0, 1, (0, 5), 0)
+    assert len(set(lease.slots)) == 2 and all(g > 0 for g in lease.generations)
+    assert all(backend.state(slot) == ("leased", g) for slot, g in zip(lease.slots, lease.generations))
+    assert service.held == lease.lease_id and manager.active
+    fenced = await service.handle(Fence(lease_id=lease.lease_id))
+    assert fenced == Fenced(lease_id=lease.lease_id)
+    assert service.held is None and not manager.active and manager.snapshot().leased == 0
+
+
+@run_async
+async def test_waves_in_first_seen_order_and_fence_next():
+    service, manager, backend = make(working=2)
+    # unique, row-major then rank-major: 4, 1, 2, 6, 0 -> waves [4, 1] [2, 6] [0]
+    first = await service.handle(routes(3, [[4, 1], [2, 4], [6, 0], [1, 2]]))
+    assert (first.wave, first.waves, first.experts) == (0, 3, (4, 1))
+    second = await service.handle(Fence(lease_id=first.lease_id, next=True))
+    assert isinstance(second, Lease) and second.lease_id > first.lease_id
+    assert (second.layer, second.wave, second.waves, second.experts) == (3, 1, 3, (2, 6))
+    # wave 0's slots were released: only wave 1's are leased
+    assert manager.snapshot().leased == 2
+    third = await service.handle(Fence(lease_id=second.lease_id, next=True))
+    assert (third.wave, third.experts) == (2, (0,))
+    # next=True on the last wave is refused, and the lease stays held
+    before = state(service, manager, backend)
+    refused = await service.handle(Fence(lease_id=third.lease_id, next=True))
+    assert isinstance(refused, ErrorReply) and refused.code == BAD_REQUEST
+    assert "wave 2 is the last of 3 of layer 3" in refused.message
+    assert state(service, manager, backend) == before
+    assert await service.handle(Fence(lease_id=third.lease_id)) == Fenced(lease_id=third.lease_id)
+    assert manager.snapshot().leased == 0
+
+
+@run_async
+async def test_piggybacked_fence_releases_then_leases():
+    service, manager, _ = make()
+    first = await service.handle(routes(1, [[0, 1]]))
+    second = await service.handle(routes(3, [[2, 3]], fence=first.lease_id))
+    assert isinstance(second, Lease) and second.layer == 3
+    assert service.held == second.lease_id
+    assert manager.snapshot().leased == 2  # first's slots were released
+    # a repeat of layer 1's experts: one of them stayed resident (one slot per layer)
+    third = await service.handle(routes(1, [[0, 1]], fence=second.lease_id))
+    assert third.hits == 1
+    await service.handle(Fence(lease_id=third.lease_id))
+    assert manager.snapshot().leased == 0
+
+
+@run_async
+async def test_every_selection_is_recorded_before_dedup(tmp_path):
+    usage = ExpertUsageLedger(tmp_path / "usage", layers=LAYERS, experts_per_layer=EXPERTS)
+    service, _, _ = make(usage=usage)
+    lease = await service.handle(routes(1, [[0, 1], [1, 0], [1, 2]]))
+    await service.handle(Fence(lease_id=lease.lease_id, next=True))
+    assert usage.snapshot().route_selections == 6
+    assert usage.entry(1, 1).count == 3 and usage.entry(1, 0).count == 2 and usage.entry(1, 2).count == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: an error naming the value, and nothing changed
+
+
+@run_async
+async def test_refusals_leave_state_unchanged(tmp_path):
+    usage = ExpertUsageLedger(tmp_path / "usage", layers=LAYERS, experts_per_layer=EXPERTS)
+    service, manager, backend = make(usage=usage)
+
+    async def refused(message, *needles):
+        before = state(service, manager, backend, usage)
+        reply = await service.handle(message)
+        assert isinstance(reply, ErrorReply), reply
+        assert reply.code == BAD_REQUEST
+        for needle in needles:
+            assert needle in reply.message, reply.message
+        assert state(service, manager, backend, usage) == before
+
+    # nothing held yet
+    await refused(Fence(lease_id=7), "fence of lease 7", "no lease is held")
+    await refused(routes(1, [[0]], fence=3), "piggyback fence of lease 3", "no lease is held")
+    await refused(routes(2, [[0, 1]]), "layer 2", "not a sparse layer", "[1, 3]")
+    await refused(routes(1, [[0, 1], [3, 8]]), "row 1 rank 1 names expert 8", "0..7")
+
+    lease = await service.handle(routes(1, [[0, 1], [2, 3]]))  # two waves
+    assert lease.waves == 2
+    await refused(routes(3, [[0, 1]]), f"while lease {lease.lease_id}", "still held")
+    await refused(routes(3, [[0, 1]], fence=lease.lease_id + 5), f"fence of lease {lease.lease_id + 5}",
+                  f"the held lease is {lease.lease_id}")  # fmt: skip
+    await refused(Fence(lease_id=lease.lease_id + 1), f"fence of lease {lease.lease_id + 1}")
+    await refused(routes(1, [[9, 0]], fence=lease.lease_id), "names expert 9")
+    await refused(routes(0, [[0]], fence=lease.lease_id), "layer 0", "not a sparse layer")
+
+    second = await service.handle(Fence(lease_id=lease.lease_id, next=True))
+    assert second.wave == 1
+    await refused(Fence(lease_id=lease.lease_id), f"fence of lease {lease.lease_id}",
+                  f"the held lease is {second.lease_id}")  # fmt: skip
+    await refused(Fence(lease_id=second.lease_id, next=True), "is the last of 2")
+    assert await service.handle(Fence(lease_id=second.lease_id)) == Fenced(lease_id=second.lease_id)
+    # already released
+    await refused(Fence(lease_id=second.lease_id), f"fence of lease {second.lease_id}", "no lease is held")
+    # and the service still works
+    again = await service.handle(routes(3, [[5, 6]]))
+    assert isinstance(again, Lease)
+    assert usage.snapshot().route_selections == 6
+
+
+@run_async
+async def test_load_failure_is_an_error_and_the_service_recovers():
+    service, manager, backend = make()
+    backend.fail_load(lambda slot, segments: segments[0].offset == (1 * 100 + 5) * 64)
+    reply = await service.handle(routes(1, [[0, 5]]))
+    assert isinstance(reply, ErrorReply) and reply.code == LOAD_FAILED
+    assert "layer 1 wave 0" in reply.message and "injected read failure" in reply.message
+    assert service.held is None and not manager.active and manager.snapshot().leased == 0
+    lease = await service.handle(routes(1, [[0, 5]]))
+    assert isinstance(lease, Lease) and lease.experts == (0, 5)
+
+
+@run_async
+async def test_lost_worker_lease_is_released_on_its_behalf():
+    service, manager, backend = make()
+    lease = await service.handle(routes(1, [[0, 1]]))
+    assert service.release_for_lost_worker("test") == lease.lease_id
+    assert service.held is None and not manager.active and manager.snapshot().leased == 0
+    assert all(backend.state(slot)[0] != "leased" for slot in lease.slots)
+    assert service.release_for_lost_worker("again") is None
+    reply = await service.handle(Fence(lease_id=lease.lease_id))
+    assert isinstance(reply, ErrorReply)
+    assert isinstance(await service.handle(routes(1, [[0, 1]])), Lease)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-job statistics
+
+
+@run_async
+async def test_job_stats():
+    service, manager, _ = make(working=2, per_layer=1)
+    service.begin_job()
+    held = None
+    for step in range(4):  # decode-like: one row, alternating experts of layer 1
+        pair = [[0, 1]] if step % 2 == 0 else [[0, 2]]
+        lease = await service.handle(routes(1, pair, fence=held))
+        held = lease.lease_id
+    await service.handle(Fence(lease_id=held))
+    stats = service.end_job()
+    assert stats.visits == 4 and stats.waves == 4 and stats.abandoned_waves == 0
+    assert stats.hits + stats.misses == 8 and stats.misses > 0 and stats.evictions > 0
+    assert stats.loads == stats.misses and stats.bytes_read == 64 * stats.loads
+    assert 0 <= stats.all_resident < 1 and stats.disk_p99_ms >= stats.disk_p50_ms >= 0
+    # the next job starts from zero
+    service.begin_job()
+    assert service.end_job().visits == 0
+
+
+@run_async
+async def test_all_resident_fraction():
+    service, _, _ = make(working=2, per_layer=4)
+    service.begin_job()
+    lease = await service.handle(routes(1, [[0, 1]]))
+    await service.handle(Fence(lease_id=lease.lease_id))
+    for _ in range(3):
+        lease = await service.handle(routes(1, [[1, 0]]))
+        assert lease.hits == 2
+        await service.handle(Fence(lease_id=lease.lease_id))
+    stats = service.end_job()
+    assert stats.visits == 4 and stats.all_resident == pytest.approx(0.75)
+
+
+# ---------------------------------------------------------------------------------------------
+# Test hooks around a backend that writes real bytes
+
+
+class SlabBackend(InMemoryBackend):
+    """InMemoryBackend whose loads write a pattern of (slot, generation) into a real slab."""
+
+    def __init__(self, slab: Slab) -> None:
+        super().__init__(slab.total_slots, slot_bytes=slab.slot_bytes)
+        self.slab = slab
+
+    def submit_segments(self, slot, generation, segments):
+        super().submit_segments(slot, generation, segments)
+        view = self.slab.slot_view(slot)
+        view[:] = bytes([(slot * 31 + generation) % 251]) * len(view)
+        view.release()
+
+
+def slot_bytes(slab: Slab, slot: int) -> bytes:
+    view = slab.slot_view(slot)
+    try:
+        return bytes(view)
+    finally:
+        view.release()
+
+
+@pytest.fixture
+def slab():
+    plan = plan_expert_residency(budget_bytes=10**9, fixed_bytes=0, slot_bytes=1, sparse_layers=2,
+                                 working_slots=2, max_slots_per_layer=1)  # fmt: skip
+    with Slab.create(total_slots=plan.total_slots, slot_bytes=16384) as created:
+        yield created
+
+
+@run_async
+async def test_scribble_and_verify_hooks(slab):
+    hooked = wrap_backend(SlabBackend(slab), ("scribble_fenced", "verify_fenced"), slab=slab)
+    assert isinstance(hooked, HookedBackend)
+    service, manager, _ = make(backend=hooked)
+    lease = await service.handle(routes(1, [[0, 1]]))
+    real = {slot: slot_bytes(slab, slot) for slot in lease.slots}
+    await service.handle(Fence(lease_id=lease.lease_id))
+    for slot in lease.slots:  # fenced: garbage now
+        assert slot_bytes(slab, slot) == bytes([SCRIBBLE]) * slab.slot_bytes
+    assert hooked.scribbles == 2 and hooked.verified == 2 and hooked.violations == 0
+    # expert 0 or 1 stayed resident in layer 1's slot: leasing it again restores its bytes
+    again = await service.handle(routes(1, [[1, 0]]))
+    assert again.hits == 1
+    kept = [(slot, gen) for slot, gen in zip(again.slots, again.generations) if (slot, gen) in set(zip(lease.slots, lease.generations))]
+    assert len(kept) == 1
+    assert slot_bytes(slab, kept[0][0]) == real[kept[0][0]]
+    assert hooked.restores == 1
+    await service.handle(Fence(lease_id=again.lease_id))
+    assert hooked.violations == 0
+
+    # someone writes a leased slot: verify_fenced sees it at the fence
+    third = await service.handle(routes(3, [[4, 5]]))
+    view = slab.slot_view(third.slots[0])
+    view[100] ^= 0x5A
+    view.release()
+    await service.handle(Fence(lease_id=third.lease_id))
+    assert hooked.violations == 1 and "changed while it was leased" in hooked.messages[0]
+
+
+def test_no_hooks_is_the_backend_itself(slab):
+    backend = InMemoryBackend(slab.total_slots)
+    assert wrap_backend(backend, (), slab=slab) is backend
+    with pytest.raises(ValueError, match="unknown test hook"):
+        wrap_backend(backend, ("scribble_everything",), slab=slab)

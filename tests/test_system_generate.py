@@ -1,0 +1,351 @@
+"""The whole system, as launched by `shared.launch.start_system`, against mlx-lm.
+
+Real processes: the coordinator, two I/O workers (O_DIRECT unless the model
+lives on tmpfs) and the GPU worker, over a slab of a working bank of top_k
+slots and one resident slot per sparse layer, so every token misses and
+evicts. Test hooks on: fenced slots are scribbled with NaN bytes until they
+are leased again, and leased slots are hashed at load and at fence. Greedy
+tokens must equal mlx-lm's `generate_step` on the fully loaded model, and
+log-probabilities match within 1e-4 relative. Then the launcher's failure
+reporting and cleanup, the run configuration, bad input on both endpoints, a
+GPU worker that dies mid-job, and another process writing leased slots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import psutil
+import pytest
+import zmq
+
+from shared.client import Client
+from shared.client import JobError as ClientJobError
+from shared.gpu_messages import GpuHello, RouteMatrix, Routes
+from shared.job_messages import CLIENT_ACCEPTS, HealthReply, JobFailed, TokenEvent
+from shared.launch import BudgetError, LaunchError, start_system
+from shared.protocol import ErrorReply, decode, encode
+from shared.slab import Slab
+from shared.store import ExpertStore
+from tests.system_helpers import (
+    PROMPT,
+    TEST_KV_RESERVE,
+    hook_counts,
+    io_mode_for,
+    oracle,
+    relative_difference,
+    run_job,
+    tight_budget,
+    wait_for,
+)
+from tests.tiny_models import EOS_TOKEN_ID, FAMILIES, write_tiny_model
+
+GENERATED = 32
+RTOL = 1e-4
+HOOKS = ("scribble_fenced", "verify_fenced")
+log = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    made = {}
+
+    def get(family: str, quantized: bool):
+        if (family, quantized) not in made:
+            directory = tmp_path_factory.mktemp(f"{family}-{'q4' if quantized else 'fp32'}")
+            made[family, quantized] = write_tiny_model(directory, family=family, quantized=quantized)
+        return made[family, quantized]
+
+    return get
+
+
+def _start(path, **options):
+    store = ExpertStore.open(path)
+    defaults = dict(model_dir=path, memory_budget=tight_budget(store), working_slots=store.top_k,
+                    kv_reserve_bytes=TEST_KV_RESERVE, io_mode=io_mode_for(path), test_hooks=HOOKS)  # fmt: skip
+    return start_system(**{**defaults, **options})
+
+
+def _check_against(result, want) -> float:
+    """Tokens equal the oracle's (up to an EOS stop); returns the largest logprob difference."""
+    got = result.tokens
+    assert list(result.done.tokens) == got
+    if result.done.finish_reason == "stop":  # EOS ends the job and is not emitted
+        assert want.tokens[len(got)] == EOS_TOKEN_ID, (got, want.tokens)
+    else:
+        assert result.done.finish_reason == "length" and len(got) == GENERATED
+    assert got == want.tokens[: len(got)]
+    return max(relative_difference(w, g) for w, g in zip(want.logprobs, result.logprobs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-exact against mlx-lm, every family, full precision and 4-bit
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_equals_mlx_lm(family, quantized, models, caplog, record_property):
+    caplog.set_level(logging.INFO)
+    path = models(family, quantized)
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    with _start(path) as system:
+        plan = system.plan
+        assert (plan.working_slots, plan.slots_per_layer, plan.pinned_slots) == (store.top_k, 1, 0)
+        assert plan.planned_bytes == tight_budget(store)
+        first = run_job(system, max_tokens=GENERATED)
+        second = run_job(system, max_tokens=GENERATED)  # from the residency the first job left
+        hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
+    differences = [_check_against(result, want) for result in (first, second)]
+    assert max(differences) <= RTOL
+    stats = first.done.stats
+    assert stats.generated_tokens == len(first.tokens) and stats.prompt_tokens == len(PROMPT)
+    assert stats.misses > 0 and stats.evictions > 0 and stats.bytes_read > 0
+    assert stats.hits + stats.misses >= len(first.tokens) * len(store.sparse_layers) * store.top_k // 2
+    assert stats.budget_bytes == tight_budget(store) and stats.wrap_path in ("copy", "zero_copy")
+    assert second.done.stats.misses > 0 and second.done.stats.evictions > 0
+    assert hooks, "the coordinator never reported its test hooks"
+    assert hooks["violations"] == 0 and hooks["scribbled"] > 0 and hooks["verified"] > 0 and hooks["restored"] > 0
+    figures = dict(family=family, quantized=quantized, max_rel_logprob_diff=max(differences), hits=stats.hits,
+                   misses=stats.misses, evictions=stats.evictions, all_resident=stats.all_resident,
+                   bytes_read=stats.bytes_read, finish=first.done.finish_reason, hooks=hooks)  # fmt: skip
+    record_property("figures", json.dumps(figures))
+    log.info("system figures: %s", json.dumps(figures))
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher: refusals, failures, cleanup
+
+
+def test_budget_that_cannot_start_names_every_part(models, monkeypatch):
+    path = models("qwen3_moe", False)
+    store = ExpertStore.open(path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing may be created before the budget is checked")
+
+    monkeypatch.setattr("shared.launch.tempfile.mkdtemp", refuse)
+    monkeypatch.setattr("shared.launch.Slab.create", refuse)
+    monkeypatch.setattr("shared.launch.spawn_child", refuse)
+    with pytest.raises(BudgetError) as caught:
+        start_system(model_dir=path, memory_budget=tight_budget(store) - 1, working_slots=store.top_k,
+                     kv_reserve_bytes=TEST_KV_RESERVE)  # fmt: skip
+    message = str(caught.value)
+    for part in (f"dense weights ({store.dense_bytes} bytes)", f"KV reserve ({TEST_KV_RESERVE} bytes)",
+                 f"{store.top_k} working slots", "each of 2 sparse layers", f"{store.slot_bytes} bytes per slot"):
+        assert part in message, message
+    assert message.endswith(f": {tight_budget(store)} bytes")
+    assert not psutil.Process().children()
+
+
+@pytest.mark.parametrize("mode", ["dies", "stalls"])
+def test_a_gpu_worker_that_dies_or_stalls_fails_the_launch(mode, models, tmp_path):
+    path = models("qwen3_moe", False)
+    script = {"dies": "import sys; print('boom: no accelerator here', file=sys.stderr); sys.exit(3)",
+              "stalls": "import sys, time; print('thinking...', file=sys.stderr, flush=True); time.sleep(600)"}[mode]
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        _start(path, gpu_command=[sys.executable, "-c", script], start_timeout=8.0, run_dir=run_dir)
+    message = str(caught.value)
+    assert "GPU worker (pid" in message, message
+    if mode == "dies":
+        assert "exited with code 3" in message and "boom: no accelerator here" in message
+    else:
+        assert "not ready after 8.0 s" in message and "waiting for GPU worker" in message
+        assert "thinking..." in message and "is still running" in message
+        assert time.monotonic() - started < 30
+    # what the launch created is gone; the given run directory itself stays
+    assert run_dir.is_dir() and not list(run_dir.iterdir())
+
+
+def test_stop_removes_everything_and_the_config_is_complete(models, tmp_path):
+    path = models("mixtral", False)
+    store = ExpertStore.open(path)
+    usage = tmp_path / "usage.coli"
+    # two pinned experts (preloaded at startup) on top of the tight budget; a usage ledger
+    with _start(path, test_hooks=(), pinned=2, usage_file=usage,
+                memory_budget=tight_budget(store) + 2 * store.slot_bytes) as system:  # fmt: skip
+        run_dir, slab = system.run_dir, system.slab_name
+        assert (os.stat(run_dir).st_mode & 0o777) == 0o700
+        config = json.loads(open(os.path.join(run_dir, "config.json")).read())
+        assert config["slab"]["name"] == slab and config["endpoints"]["jobs"] == system.endpoint
+        assert config["endpoints"]["io"] == f"ipc://{run_dir}/io" and config["test_hooks"] == []
+        assert config["plan"]["total_slots"] == system.plan.total_slots and config["model_dir"] == str(path)
+        assert config["pinned"] == [[0, 0], [1, 0]] and config["usage_file"] == str(usage)
+        assert json.loads(open(config["manifest"]).read()) == list(store.manifest)
+        assert os.path.exists(f"/dev/shm{slab}")
+        children = list(system.children)
+        assert set(system.pids) == {"coordinator", "I/O worker 0", "I/O worker 1", "GPU worker"}
+        health = system.health()
+        assert health.ready and health.io_workers == 2 and health.gpu_worker
+        result = run_job(system, max_tokens=4, return_logprobs=False)
+        assert len(result.tokens) <= 4 and result.events[0].logprobs is None
+    assert not os.path.exists(run_dir) and not os.path.exists(f"/dev/shm{slab}")
+    assert [child.process.returncode for child in children] == [0, 0, 0, 0]  # a clean SIGTERM shutdown
+    # the ledger was flushed at shutdown: every routed selection of the job was counted
+    rows = [line.split() for line in usage.read_text().splitlines() if line.strip()]
+    assert rows and sum(int(count) for _, _, count in rows) >= len(PROMPT) * store.top_k * len(store.sparse_layers)
+
+
+def test_children_exit_when_the_launcher_goes_away(models):
+    """Closing the death pipes (what the kernel does when the launcher dies) stops every child."""
+    path = models("qwen3_moe", True)
+    with _start(path, test_hooks=()) as system:
+        for child in system.children:
+            child.close_death_pipe()
+        exited = wait_for(lambda: all(c.exit_code is not None for c in system.children), timeout=20)
+        assert exited, [c.describe() for c in system.children if c.exit_code is None]
+        assert [c.exit_code for c in system.children] == [0, 0, 0, 0]
+        assert any("parent process is gone" in line for line in system.children[0].stderr_tail())
+
+
+def test_config_round_trip_and_refusals(tmp_path):
+    from coordinator.residency_plan import plan_expert_residency
+    from shared.config import ConfigError, RunConfig, SlabSpec, read_config, run_endpoints, write_config
+
+    plan = plan_expert_residency(budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2,
+                                 working_slots=2, pinned_experts=1)  # fmt: skip
+    config = RunConfig(run_dir=str(tmp_path), model_dir="/m", block_size=4096, manifest="/m.json", manifest_files=1,
+                       plan=plan, slab=SlabSpec("/moeslab-0123456789ab", plan.total_slots, plan.slot_bytes),
+                       endpoints=run_endpoints(tmp_path), io_workers=2, io_mode="direct", kv_reserve_bytes=0,
+                       dense_bytes=10, pinned=((1, 3),), test_hooks=("verify_fenced",))  # fmt: skip
+    write_config(config, tmp_path / "config.json")
+    assert (os.stat(tmp_path / "config.json").st_mode & 0o777) == 0o600
+    assert read_config(tmp_path / "config.json") == config
+    data = json.loads((tmp_path / "config.json").read_text())
+    for change, needle in ((lambda d: d["plan"].update(total_slots=1), "does not match the plan"),
+                           (lambda d: d.update(io_mode="fast"), "io_mode"),
+                           (lambda d: d.update(test_hooks=["break_things"]), "unknown test hook"),
+                           (lambda d: d.update(pinned=[]), "pinned must hold 1"),
+                           (lambda d: d["slab"].update(slot_bytes=-1), "config.slab.slot_bytes"),
+                           (lambda d: d.update(surprise=1), "unknown field(s) ['surprise']"),
+                           (lambda d: d.pop("plan"), "missing field 'plan'")):  # fmt: skip
+        broken = json.loads(json.dumps(data))
+        change(broken)
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            read_config(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="too long for ipc socket paths"):
+        run_endpoints("/" + "x" * 120)
+    # the process refuses a bad configuration with one clear line and exit code 1
+    done = subprocess.run([sys.executable, "-m", "coordinator", "--config", str(tmp_path / "bad.json")],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1 and "missing field 'plan'" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input on both endpoints, and a GPU worker lost mid-job
+
+
+def _dealer(context, endpoint):
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _reply(sock, registry, timeout=10.0):
+    assert sock.poll(timeout * 1000), "no reply"
+    return decode(sock.recv(), registry)
+
+
+def test_bad_input_gets_errors_and_the_system_keeps_serving(models):
+    path = models("qwen3_moe", False)
+    with _start(path) as system:
+        context = zmq.Context()
+        jobs = _dealer(context, system.endpoint)
+        gpu = _dealer(context, system.config.endpoints.gpu)
+        try:
+            jobs.send(b"\xc1 not msgpack")  # dropped: nothing to answer
+            jobs.send(msgpack.packb([1, 2, 3]))
+            assert isinstance(reply := _reply(jobs, CLIENT_ACCEPTS), JobFailed) and reply.code == "bad_message"
+            jobs.send(msgpack.packb({"op": "launch_missiles", "id": "a"}))
+            assert (reply := _reply(jobs, CLIENT_ACCEPTS)).code == "unknown_op" and reply.id == "a"
+            jobs.send(msgpack.packb({"op": "generate", "id": "b", "prompt_tokens": [1], "max_tokens": "many"}))
+            assert (reply := _reply(jobs, CLIENT_ACCEPTS)).code == "bad_field" and reply.id == "b"
+            jobs.send(msgpack.packb({"op": "generate", "id": "c"}))
+            reply = _reply(jobs, CLIENT_ACCEPTS)
+            assert reply.code == "bad_request" and reply.id == "c" and "exactly one of" in reply.message
+            jobs.send(msgpack.packb({"op": "health", "id": "d"}))
+            assert isinstance(reply := _reply(jobs, CLIENT_ACCEPTS), HealthReply) and reply.ready
+            # the GPU endpoint: garbage, a lease request before hello, a hello while the worker lives
+            gpu.send(b"\xc1")
+            assert isinstance(_reply(gpu, {"error": ErrorReply}), ErrorReply)
+            gpu.send(encode(Routes(layer=0, routes=RouteMatrix([[0, 1]]))))
+            assert "before gpu_hello" in _reply(gpu, {"error": ErrorReply}).message
+            gpu.send(encode(GpuHello(pid=os.getpid())))
+            assert "is connected and alive" in _reply(gpu, {"error": ErrorReply}).message
+        finally:
+            jobs.close()
+            gpu.close()
+            context.term()
+        result = run_job(system, max_tokens=8)
+        assert result.done.finish_reason in ("length", "stop")
+        with Client(system.endpoint, timeout=30) as client:
+            # two jobs at once: the second waits in the FIFO, both are served, identically
+            streams = [client.generate(prompt_tokens=list(PROMPT), max_tokens=8) for _ in range(2)]
+            done = [stream.result() for stream in streams]
+            assert done[0].tokens == done[1].tokens == tuple(result.tokens)
+            stats = client.stats()
+            assert stats.jobs_done == 3 and stats.running is None and stats.queued == 0
+
+
+def test_a_lost_gpu_worker_fails_its_job_and_leaves_no_lease(models, caplog):
+    caplog.set_level(logging.INFO)
+    path = models("qwen3_moe", False)
+    with _start(path) as system:
+        gpu_pid = system.pids["GPU worker"]
+        with Client(system.endpoint, timeout=30) as client:
+            stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
+            first = next(stream)
+            assert isinstance(first, TokenEvent)
+            os.kill(gpu_pid, signal.SIGKILL)
+            with pytest.raises(ClientJobError) as caught:
+                for _ in stream:
+                    pass
+            assert caught.value.code == "worker_failed" and "GPU worker was lost" in str(caught.value)
+            health = client.health()
+            assert not health.ready and not health.gpu_worker and health.io_workers == 2
+        assert wait_for(lambda: any("GPU worker lost" in r.getMessage() for r in caplog.records))
+        assert [d for d in system.dead_children() if "GPU worker" in d and "signal 9" in d]
+
+
+def test_a_write_into_a_leased_slot_fails_the_job(models):
+    """verify_fenced in the real system: another process writing the slab is caught at the fence."""
+    path = models("qwen3_moe", False)
+    with _start(path) as system:
+        slab = Slab.attach(system.slab_name, total_slots=system.plan.total_slots, slot_bytes=system.plan.slot_bytes)
+        stop = threading.Event()
+
+        def vandal():
+            view = np.frombuffer(slab.buffer, dtype=np.uint8)
+            try:
+                while not stop.is_set():
+                    view[::4096] += 1  # one byte of every page of every slot
+                    time.sleep(0.0005)
+            finally:
+                del view
+
+        writer = threading.Thread(target=vandal, daemon=True)
+        writer.start()
+        try:
+            with pytest.raises(ClientJobError) as caught:
+                run_job(system, max_tokens=GENERATED, timeout=60)
+        finally:
+            stop.set()
+            writer.join()
+            slab.close()
+        assert caught.value.code == "test_hook_violation", caught.value
+        assert "changed while it was leased" in str(caught.value)
+        assert system.health().ready  # the system itself keeps serving
