@@ -14,5 +14,6 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$venv/bin/python" -m pip install -q -e "$root[test]"
+# plot: matplotlib, the standard for the replay tool's --plot figure, so its test runs too.
+"$venv/bin/python" -m pip install -q -e "$root[test,plot]"
 export MOESLAB_PYTHON="$venv/bin/python"
