@@ -8,9 +8,16 @@ loading or leased slot, a discard of a leased (or still loading) one. Every
 load carries a generation that must grow per slot, so a stale or late
 completion is recognised, counted and ignored, never applied.
 
+A worker that dies is noticed by a pid watchdog (its pid comes with its hello)
+or by `worker_lost()`; its in-flight loads are re-submitted at once, same
+slot and generation, to a live worker, so the residency manager never sees the
+loss. With no live worker left they wait (`replacement_grace_s`, default from
+`MOESLAB_IO_REPLACEMENT_GRACE_S`, else 0: fail at once) for a restarted worker,
+whose hello for the same index is accepted once the old one is known dead.
+
 `ioworker.pool.IOWorkerPool` spawns workers and connects a backend for tests
-and the bench; the supervisor will own spawning and reuse
-`ioworker.spawn.spawn_io_worker`.
+and the bench; the supervisor (`shared.launch`) spawns and restarts them in a
+real system.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -55,6 +63,12 @@ if TYPE_CHECKING:
     from ioworker.spawn import WorkerProcess
 
 logger = logging.getLogger(__name__)
+
+# Set by the launcher, which restarts dead workers: how long loads wait for a replacement
+# when no live worker is left (the coordinator constructs the backend without the option).
+REPLACEMENT_GRACE_ENV = "MOESLAB_IO_REPLACEMENT_GRACE_S"
+WATCH_INTERVAL_S = 0.1
+LOST = "worker_lost"  # ExpertLoadError.code of a load no worker could take over
 
 
 class BackendStateError(RuntimeError):
@@ -100,6 +114,8 @@ class BackendTelemetry:
     worker_errors: int = 0
     bytes: int = 0
     in_flight: int = 0
+    workers_lost: int = 0
+    resubmitted: int = 0  # loads of a lost worker sent again (to another or its restarted one)
 
 
 @dataclass(slots=True)
@@ -109,6 +125,8 @@ class _Load:
     segments: tuple[ExpertIOSegment, ...]
     future: asyncio.Future[None]
     submitted: float
+    parked_until: float | None = None  # waiting for any live worker (worker is then -1)
+    orphaned: bool = False  # its worker was lost after it was sent
     completion: LoadCompletion | None = None
     error: ExpertLoadError | None = None
 
@@ -126,6 +144,7 @@ class _Worker:
     index: int
     identity: bytes
     pid: int
+    process: psutil.Process | None = None  # None: the pid named no process at hello
     ready: bool = False
     lost: bool = False
     modes: tuple[str, ...] = ()
@@ -157,6 +176,34 @@ def _check_segments(
     return checked
 
 
+def _grace(value: float | None) -> float:
+    if value is None:
+        text = os.environ.get(REPLACEMENT_GRACE_ENV, "")
+        try:
+            value = float(text) if text else 0.0
+        except ValueError:
+            logger.warning("ignored %s=%r: not a number", REPLACEMENT_GRACE_ENV, text)
+            value = 0.0
+    if not value >= 0:  # NaN too
+        raise ValueError(f"replacement_grace_s must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _process(pid: int) -> psutil.Process | None:
+    """A handle that remembers the start time, so a reused pid does not look alive."""
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _running(process: psutil.Process | None) -> bool:
+    try:
+        return process is not None and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 class IOWorkerBackend:
     """Slots of a slab, filled by I/O workers connected to `endpoint`.
 
@@ -165,8 +212,10 @@ class IOWorkerBackend:
     """
 
     def __init__(self, *, slab: Slab, endpoint: str, workers: int, files: int | None = None,
-                 hint_capacity: int = 64, context: zmq.asyncio.Context | None = None) -> None:  # fmt: skip
+                 hint_capacity: int = 64, context: zmq.asyncio.Context | None = None,
+                 replacement_grace_s: float | None = None) -> None:  # fmt: skip
         self._slab = slab
+        self._grace = _grace(replacement_grace_s)
         self._expected = require_int(workers, "workers", minimum=1)
         self._files = files
         self._hint_capacity = require_int(hint_capacity, "hint_capacity", minimum=1)
@@ -187,9 +236,14 @@ class IOWorkerBackend:
         self._by_identity: dict[bytes, int] = {}
         self._start_errors: dict[int, str] = {}
         self._receiver: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._parked: dict[int, _Load] = {}  # slot -> a load that waits for a live worker
         self._counts = dict.fromkeys(BackendTelemetry.__slots__, 0)
         self._hint_local = dict(submitted=0, dropped=0, errors=0)
+        # Hint counters of workers that were replaced, so the totals never go backwards.
+        self._retired_hints = dict(completed=0, dropped=0, operations=0, bytes=0, errors=0)
         self._next = 0
+        self._started = False  # every expected worker was ready once
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -198,7 +252,9 @@ class IOWorkerBackend:
         """Wait until every worker is ready; raise IOWorkerStartError naming the
         failure (a worker's setup error, a child's exit code and stderr, a timeout)."""
         if self._receiver is None:
-            self._receiver = asyncio.get_running_loop().create_task(self._receive(), name="ioworker-replies")
+            loop = asyncio.get_running_loop()
+            self._receiver = loop.create_task(self._receive(), name="ioworker-replies")
+            self._watchdog = loop.create_task(self._watch(), name="ioworker-watchdog")
         deadline = time.monotonic() + timeout
         while sum(w.ready for w in self._workers.values()) < self._expected:
             dead = [p for p in processes if p.exit_code is not None]
@@ -213,6 +269,7 @@ class IOWorkerBackend:
                     f"only I/O workers {ready} of {self._expected} were ready after {timeout} s"
                 )
             await asyncio.sleep(0.01)
+        self._started = True
 
     def shutdown_workers(self) -> None:
         """Ask every connected worker to exit (non-blocking)."""
@@ -228,12 +285,14 @@ class IOWorkerBackend:
         if self._closed:
             return
         self._closed = True
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except asyncio.CancelledError:
-                pass
+        for task in (self._receiver, self._watchdog):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._parked.clear()
         for slot, record in enumerate(self._records):
             if record.phase == "loading" and record.load is not None:
                 self._fail(slot, record.load, "the I/O backend was closed", code="closed")
@@ -272,12 +331,11 @@ class IOWorkerBackend:
                 f"submit into slot {slot} refused: generation {generation} is not newer than {record.generation}"
             )
         checked = _check_segments(segments, self._slab.slot_bytes, self._files)
-        worker = self._choose_worker()
-        self._send(worker, Load(slot=slot, generation=generation, segments=checked))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        load = _Load(generation, -1, checked, future, time.monotonic())
+        self._place(slot, load)  # BackendStateError (nothing changed) when no worker can take it
         record.phase, record.generation, record.consumer = "loading", generation, None
-        record.load = _Load(generation, worker.index, checked, future, time.monotonic())
-        worker.outstanding.add((slot, generation))
+        record.load = load
         self._counts["submitted"] += 1
 
     async def wait(self, slot: int, generation: int) -> None:
@@ -300,6 +358,10 @@ class IOWorkerBackend:
         if record.generation != generation:
             raise StaleGenerationError(f"cancel of slot {slot} generation {generation}: it holds {record.generation}")
         if record.phase != "loading" or record.load is None:
+            return
+        if self._parked.get(slot) is record.load:  # never sent: nothing to tell a worker
+            del self._parked[slot]
+            self._fail(slot, record.load, "cancelled", code="cancelled")
             return
         worker = self._workers.get(record.load.worker)
         if worker is not None and not worker.lost:
@@ -359,16 +421,18 @@ class IOWorkerBackend:
     def hint_telemetry(self) -> ExpertIOHintSnapshot:
         """Cumulative hint counters: submitted counts messages this backend sent,
         dropped both its own refusals and the workers' queue drops."""
+        live = [w for w in self._workers.values() if not w.lost]
         statuses = [w.hint_status for w in self._workers.values()]
-        outstanding = sum(self._hints_outstanding(w) for w in self._workers.values())
-        in_flight = sum(s.in_flight for s in statuses)
+        outstanding = sum(self._hints_outstanding(w) for w in live)
+        in_flight = sum(w.hint_status.in_flight for w in live)
+        retired = self._retired_hints
         return ExpertIOHintSnapshot(
             submitted=self._hint_local["submitted"],
-            completed=sum(s.completed for s in statuses),
-            dropped=self._hint_local["dropped"] + sum(s.dropped for s in statuses),
-            operations=sum(s.operations for s in statuses),
-            bytes=sum(s.bytes for s in statuses),
-            errors=self._hint_local["errors"] + sum(s.errors for s in statuses),
+            completed=retired["completed"] + sum(s.completed for s in statuses),
+            dropped=retired["dropped"] + self._hint_local["dropped"] + sum(s.dropped for s in statuses),
+            operations=retired["operations"] + sum(s.operations for s in statuses),
+            bytes=retired["bytes"] + sum(s.bytes for s in statuses),
+            errors=retired["errors"] + self._hint_local["errors"] + sum(s.errors for s in statuses),
             queue_depth=max(0, outstanding - in_flight),
             in_flight=in_flight,
         )
@@ -376,37 +440,69 @@ class IOWorkerBackend:
     # ------------------------------------------------------------ telemetry
 
     def telemetry(self) -> BackendTelemetry:
-        counts = dict(self._counts, in_flight=sum(len(w.outstanding) for w in self._workers.values()))
+        in_flight = sum(len(w.outstanding) for w in self._workers.values()) + len(self._parked)
+        counts = dict(self._counts, in_flight=in_flight)
         return BackendTelemetry(**counts)
 
     def worker_modes(self) -> dict[int, tuple[str, ...]]:
-        """I/O mode per manifest file, as each ready worker reported it."""
-        return {i: w.modes for i, w in sorted(self._workers.items()) if w.ready}
+        """I/O mode per manifest file, as each ready (and not lost) worker reported it."""
+        return {i: w.modes for i, w in sorted(self._workers.items()) if w.ready and not w.lost}
+
+    def worker_pids(self) -> dict[int, int]:
+        """The hello pid of each ready worker that is not lost, by index."""
+        return {i: w.pid for i, w in sorted(self._workers.items()) if w.ready and not w.lost}
 
     async def request_telemetry(self, *, timeout: float = 5.0) -> tuple[WorkerTelemetry, ...]:
-        """Ask every ready worker for its counters."""
+        """Ask every ready worker for its counters (one that cannot be reached is left out)."""
         loop = asyncio.get_running_loop()
         waiters = []
-        for worker in self._workers.values():
+        for worker in list(self._workers.values()):
             if worker.ready and not worker.lost:
+                error = self._try_send(worker, TelemetryRequest())
+                if error is not None:  # dead before the watchdog's next look, or disconnected
+                    logger.warning("no telemetry from I/O worker %d: %s", worker.index, error)
+                    if not _running(worker.process):
+                        self.worker_lost(worker.index, f"pid {worker.pid} exited (unreachable: {error})")
+                    continue
                 future: asyncio.Future[WorkerTelemetry] = loop.create_future()
                 worker.telemetry_waiters.append(future)
-                self._send(worker, TelemetryRequest())
                 waiters.append(future)
         return tuple(await asyncio.wait_for(asyncio.gather(*waiters), timeout))
 
     def worker_lost(self, index: int, reason: str) -> None:
-        """A worker process is gone: fail its in-flight loads (nothing writes them any more)."""
+        """A worker process is gone: its in-flight loads go to a live worker at once.
+
+        Nothing writes them any more, so sending the same (slot, generation) again is safe;
+        a late completion from the dead worker is stale (no longer outstanding) and ignored.
+        With no live worker they wait for a restarted one, or fail (`worker_lost`)."""
         worker = self._workers.get(index)
         if worker is None or worker.lost:
             return
         worker.lost = True
-        logger.error("I/O worker %d lost: %s", index, reason)
-        for slot, generation in sorted(worker.outstanding):
-            record = self._records[slot]
-            if record.load is not None and record.load.generation == generation and record.phase == "loading":
-                self._fail(slot, record.load, f"I/O worker {index} was lost: {reason}", code="worker_lost")
+        self._counts["workers_lost"] += 1
+        orphans = sorted(worker.outstanding)
         worker.outstanding.clear()
+        logger.error("I/O worker %d (pid %d) lost with %d loads in flight: %s", index, worker.pid, len(orphans),
+                     reason)  # fmt: skip
+        moved: dict[int, int] = {}
+        for slot, generation in orphans:
+            record = self._records[slot]
+            load = record.load
+            if load is None or load.generation != generation or record.phase != "loading" or load.worker != index:
+                continue
+            load.orphaned = True
+            try:
+                self._place(slot, load)
+            except BackendStateError:  # no live worker and no replacement to wait for
+                self._fail(slot, load, f"I/O worker {index} was lost: {reason}", code=LOST)
+                continue
+            if load.worker >= 0:
+                self._counts["resubmitted"] += 1
+            moved[load.worker] = moved.get(load.worker, 0) + 1
+        if moved:
+            where = ", ".join(f"{n} waiting for a restarted worker" if i < 0 else f"{n} to I/O worker {i}"
+                              for i, n in sorted(moved.items()))  # fmt: skip
+            logger.warning("re-submitted the in-flight loads of lost I/O worker %d: %s", index, where)
         for future in worker.telemetry_waiters:
             if not future.done():
                 future.set_exception(IOWorkerStartError(f"I/O worker {index} was lost"))
@@ -428,23 +524,83 @@ class IOWorkerBackend:
             raise BackendStateError(f"{action} of slot {slot} generation {generation} refused: it is {record.phase}")
         return record
 
-    def _choose_worker(self) -> _Worker:
-        live = [w for w in self._workers.values() if w.ready and not w.lost]
+    def _choose_worker(self, *, park: bool = False, exclude: set[int] | None = None) -> _Worker | None:
+        """The least busy live worker; None (park the load) when no worker can take it but a
+        restarted one may; BackendStateError when nothing can take it."""
+        live = [w for w in self._workers.values() if w.ready and not w.lost and w.index not in (exclude or ())]
         if not live:
+            if park and self._grace > 0 and self._started:  # a restarted worker will take it
+                return None
             raise BackendStateError("no I/O worker is ready")
         # Fewest in flight; ties rotate so equal workers share the load.
         self._next += 1
         return min(live, key=lambda w: (len(w.outstanding), (w.index - self._next) % len(self._workers)))
 
+    def _place(self, slot: int, load: _Load) -> None:
+        """Send `load` to the least busy reachable worker, or park it; BackendStateError if neither.
+
+        A worker can die between the watchdog's looks: its send fails (host unreachable). Dead,
+        it is lost now (its loads move on); alive (a broken connection), only this load avoids
+        it: a live worker's loads are never sent twice, so no slot gets two writers."""
+        excluded: set[int] = set()
+        while True:
+            worker = self._choose_worker(park=True, exclude=excluded)
+            if worker is None:  # a load parked before keeps its first deadline
+                load.worker = -1
+                load.parked_until = load.parked_until or time.monotonic() + self._grace
+                self._parked[slot] = load
+                return
+            error = self._try_send(worker, Load(slot=slot, generation=load.generation, segments=load.segments))
+            if error is None:
+                load.worker, load.parked_until = worker.index, None
+                worker.outstanding.add((slot, load.generation))
+                return
+            logger.warning("I/O worker %d (pid %d) unreachable: %s", worker.index, worker.pid, error)
+            if _running(worker.process):
+                excluded.add(worker.index)
+            else:
+                self.worker_lost(worker.index, f"pid {worker.pid} exited (unreachable: {error})")
+
+    def _dispatch_parked(self) -> None:
+        """A worker became ready: hand it (and any other live one) the loads that waited."""
+        for slot, load in sorted(self._parked.items()):
+            del self._parked[slot]
+            try:
+                self._place(slot, load)  # parks it again if nothing can take it
+            except BackendStateError as error:
+                self._fail(slot, load, str(error), code=LOST)
+                continue
+            if slot in self._parked:
+                break
+            self._counts["resubmitted"] += load.orphaned  # a load parked at submit was never sent
+        logger.info("parked loads dispatched; %d still waiting", len(self._parked))
+
+    async def _watch(self) -> None:
+        """Notice dead workers by pid (nobody may call worker_lost), and expire parked loads."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for worker in list(self._workers.values()):
+                if not worker.lost and not _running(worker.process):
+                    self.worker_lost(worker.index, f"pid {worker.pid} exited")
+            now = time.monotonic()
+            for slot, load in sorted(self._parked.items()):
+                if load.parked_until is not None and now >= load.parked_until:
+                    del self._parked[slot]
+                    self._fail(slot, load, f"every I/O worker was lost and none came back within {self._grace:g} s",
+                               code=LOST)  # fmt: skip
+
     def _hints_outstanding(self, worker: _Worker) -> int:
         return worker.hints_sent - worker.hint_status.completed - worker.hint_status.dropped
 
-    def _send(self, worker: _Worker, message: object, *, required: bool = True) -> bool:
+    def _try_send(self, worker: _Worker, message: object) -> BaseException | None:
         if self._closed:
             raise BackendStateError("the I/O backend is closed")
         frames = [worker.identity, encode(message)]  # type: ignore[arg-type]
         sent = self._sock.send_multipart(frames, flags=zmq.DONTWAIT)
-        error = sent.exception()  # DONTWAIT resolves at once
+        return sent.exception()  # DONTWAIT resolves at once
+
+    def _send(self, worker: _Worker, message: object, *, required: bool = True) -> bool:
+        error = self._try_send(worker, message)
         if error is None:
             return True
         if required:
@@ -502,6 +658,8 @@ class IOWorkerBackend:
                 return self._bad("ready for index %d from worker %d", reply.index, worker.index)
             worker.ready, worker.modes = True, reply.modes
             logger.info("I/O worker %d (pid %d) ready, modes %s", worker.index, reply.pid, sorted(set(reply.modes)))
+            if self._parked:
+                self._dispatch_parked()
         elif isinstance(reply, HintStatus):
             worker.hint_status = reply
         elif isinstance(reply, WorkerTelemetry):
@@ -520,6 +678,9 @@ class IOWorkerBackend:
         if hello.index >= self._expected:
             return self._bad("hello from index %d; only %d workers are expected", hello.index, self._expected)
         previous = self._workers.get(hello.index)
+        if previous is not None and not previous.lost and not _running(previous.process):
+            # Its replacement said hello before the watchdog's next look.
+            self.worker_lost(previous.index, f"pid {previous.pid} exited; pid {hello.pid} replaces it")
         if previous is not None and not previous.lost:
             # Replacing a live worker could let two processes write the same slots.
             self._bad("hello from pid %d for index %d, held by pid %d", hello.pid, hello.index, previous.pid)
@@ -528,7 +689,10 @@ class IOWorkerBackend:
             return
         if previous is not None:
             self._by_identity.pop(previous.identity, None)  # a restarted worker after worker_lost()
-        worker = _Worker(index=hello.index, identity=identity, pid=hello.pid)
+            for name in self._retired_hints:
+                self._retired_hints[name] += getattr(previous.hint_status, name)
+            logger.info("I/O worker %d: pid %d replaces lost pid %d", hello.index, hello.pid, previous.pid)
+        worker = _Worker(index=hello.index, identity=identity, pid=hello.pid, process=_process(hello.pid))
         self._workers[hello.index] = worker
         self._by_identity[identity] = hello.index
         self._send(worker, Welcome(index=hello.index), required=False)

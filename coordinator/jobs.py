@@ -1,15 +1,29 @@
-"""The job front door: clients' `generate` / `health` / `stats` / `cancel` on the jobs ROUTER.
+"""The job front door: clients' `generate` / `cancel` / `stats` / `health` on the jobs ROUTER.
 
-Minimal but correct: a FIFO of generate requests, one running at a time.
-The running job is forwarded to the GPU worker as a `job`; each `token` is
-relayed to the client that asked (its ROUTER identity) as a `token` event,
-then `done` with the job's stats, or `error`. A frame that is not msgpack is
-dropped (there is nothing to answer); any other bad request gets `error`
-with its id, and the door keeps serving.
+A FIFO of generate requests, one running at a time. The running job is
+forwarded to the GPU worker as a `job`; each `token` is relayed to the client
+that asked (its ROUTER identity), then `done` with the job's stats, or
+`error`. A generate that would make the queue longer than `queue_limit` is
+answered `busy` at once and nothing is queued.
 
-The door talks to the rest of the coordinator only through `JobHost`, so
-queue limits, busy replies, client-disconnect handling and richer stats
-are additions to this class, not a rewrite.
+Bad input never stops the door and never half-changes it: a frame that is
+not msgpack is dropped (there is nothing to answer); a frame over
+`MAX_REQUEST_BYTES` gets `error` code `message_too_large` unread; every other
+refusal (not a map, unknown op, wrong type, out-of-range value, both or
+neither prompt, a prompt longer than the model's context, a token outside the
+vocabulary, a duplicate id) gets `error` with the request's id when one could
+be read, before anything is queued.
+
+Client liveness: the jobs socket is a ROUTER with ROUTER_MANDATORY and no
+send high-water mark, so a send can only fail because the peer identity is
+gone (EHOSTUNREACH). The rule is: the first failed send to an identity means
+that client has disconnected; its running job is cancelled (the GPU worker
+stops at its next token), its queued jobs are dropped, and nothing more is
+sent to it. A client that vanishes while its job waits in the queue is
+noticed when the job's first token cannot be delivered, so it costs at most
+one forward pass, never a stalled queue.
+
+The door talks to the rest of the coordinator only through `JobHost`.
 """
 
 from __future__ import annotations
@@ -17,18 +31,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from coordinator.leases import LeaseStats
 from shared.gpu_messages import Job, JobCancel, JobDone, JobError, Token
 from shared.job_messages import (
     CANCELLED,
     COORDINATOR_ACCEPTS_FROM_CLIENTS,
+    DUPLICATE_ID,
     MAX_ID_CHARS,
+    MAX_REQUEST_BYTES,
+    PROMPT_TOO_LONG,
+    TOO_LARGE,
     UNKNOWN_JOB,
     WORKER_FAILED,
+    Busy,
     CancelJob,
     Done,
     Generate,
@@ -45,12 +63,15 @@ from shared.protocol import BAD_FRAME, BAD_REQUEST, ProtocolError, decode, unpac
 logger = logging.getLogger(__name__)
 
 HOOK_VIOLATION = "test_hook_violation"  # error code of a job during which a test hook saw a violation
+DEFAULT_QUEUE_LIMIT = 16
 
 
 class JobHost(Protocol):
     """What the front door needs from the coordinator."""
 
-    def send_client(self, identity: bytes, message: object) -> None: ...
+    def send_client(self, identity: bytes, message: object) -> bool:
+        """False when the client cannot be reached (it disconnected)."""
+        ...
 
     def send_gpu(self, message: object) -> bool: ...
 
@@ -60,9 +81,36 @@ class JobHost(Protocol):
 
     def begin_job(self, job_id: int) -> None: ...
 
-    def end_job(self, job_id: int, done: JobDone | None) -> Awaitable[tuple[JobStats, str | None]]:
+    def end_job(self, job_id: int, done: JobDone | None, relayed: int) -> Awaitable[tuple[JobStats, str | None]]:
         """The job's stats, and a failure message when a check (e.g. a test hook) failed."""
         ...
+
+    def between_jobs(self) -> Awaitable[None]:
+        """The safe point after a job's answer was sent and before the next job starts."""
+        ...
+
+    def cumulative_stats(self) -> JobStats: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoorLimits:
+    queue_limit: int = DEFAULT_QUEUE_LIMIT  # jobs waiting behind the running one
+    context_tokens: int | None = None  # the model's max_position_embeddings, when known
+    vocab_size: int | None = None
+    max_request_bytes: int = MAX_REQUEST_BYTES
+
+    @classmethod
+    def for_model(cls, config: Mapping[str, Any], *, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> FrontDoorLimits:
+        """Limits from a model's config.json (a `text_config` inside it counts too)."""
+        return cls(queue_limit=queue_limit, context_tokens=_positive(config, "max_position_embeddings"),
+                   vocab_size=_positive(config, "vocab_size"))  # fmt: skip
+
+
+def _positive(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    if value is None and isinstance(config.get("text_config"), Mapping):
+        value = config["text_config"].get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 @dataclass(slots=True)
@@ -72,67 +120,48 @@ class _Job:
     request: Generate
     queued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
-    tokens: int = 0
-    cancelled: bool = False
+    relayed: int = 0  # tokens delivered to the client
+    cancelled: bool = False  # a job_cancel was sent to the GPU worker
+    failure: tuple[str, str] | None = None  # why the coordinator failed it (e.g. memory pressure)
+    client_gone: bool = False
 
 
-@dataclass(slots=True)
-class _Totals:
-    jobs_done: int = 0
-    jobs_failed: int = 0
-    last: JobStats = field(default_factory=JobStats)
-
-
-def job_stats(lease: LeaseStats, done: JobDone | None, *, wrap_path: str, footprint: int, peak: int, budget: int,
-              io_fallback_ops: int) -> JobStats:  # fmt: skip
-    """A job's `JobStats`: the lease service's figures and the GPU worker's `job_done`.
-
-    `footprint` is the slab's resident bytes plus the GPU worker's dense bytes."""
-    prompt = done.prompt_tokens if done else 0
-    generated = len(done.tokens) if done else 0
-    prefill_s = done.prefill_ms / 1e3 if done else 0.0
-    decode_s = done.decode_ms / 1e3 if done else 0.0
-    served = lease.hits + lease.misses
-    return JobStats(
-        prompt_tokens=prompt, generated_tokens=generated,
-        prefill_tok_s=prompt / prefill_s if prefill_s > 0 else 0.0,
-        decode_tok_s=generated / decode_s if decode_s > 0 else 0.0,
-        hits=lease.hits, misses=lease.misses, hit_rate=lease.hits / served if served else 0.0,
-        all_resident=lease.all_resident, bytes_read=lease.bytes_read,
-        disk_p50_ms=lease.disk_p50_ms, disk_p99_ms=lease.disk_p99_ms,
-        wait_p50_ms=lease.wait_p50_ms, wait_p99_ms=lease.wait_p99_ms,
-        evictions=lease.evictions, pressure_evictions=lease.pressure_evictions, repin_swaps=lease.repin_swaps,
-        wrap_path=done.wrap_path if done else wrap_path, bytes_copied=done.bytes_copied if done else 0,
-        footprint_bytes=footprint, peak_footprint_bytes=peak, budget_bytes=budget, io_fallback_ops=io_fallback_ops,
-    )  # fmt: skip
-
-
-def _validate(request: Generate) -> str | None:
-    """Why a generate request is refused, or None."""
-    if (request.prompt is None) == (request.prompt_tokens is None):
-        return "give exactly one of prompt and prompt_tokens"
-    if request.prompt_tokens is not None and not request.prompt_tokens:
-        return "prompt_tokens is empty"
-    if request.prompt is not None and not request.prompt:
-        return "prompt is empty"
-    if request.temperature < 0:
-        return f"temperature must be >= 0, got {request.temperature}"
-    if not 0 < request.top_p <= 1:
-        return f"top_p must be in (0, 1], got {request.top_p}"
+def validate(request: Generate, limits: FrontDoorLimits) -> tuple[str, str] | None:
+    """(code, message) of why a well-typed generate is refused, or None."""
     if not request.id:
-        return "id must not be empty"
+        return BAD_REQUEST, "id must not be empty"
+    if (request.prompt is None) == (request.prompt_tokens is None):
+        return BAD_REQUEST, "give exactly one of prompt and prompt_tokens"
+    if request.prompt is not None and not request.prompt:
+        return BAD_REQUEST, "prompt is empty"
+    tokens = request.prompt_tokens
+    if tokens is not None:
+        if not tokens:
+            return BAD_REQUEST, "prompt_tokens is empty"
+        if limits.context_tokens is not None and len(tokens) > limits.context_tokens:
+            return PROMPT_TOO_LONG, (f"the prompt has {len(tokens)} tokens; the model's context is "
+                                     f"{limits.context_tokens} (max_position_embeddings)")  # fmt: skip
+        if limits.vocab_size is not None and max(tokens) >= limits.vocab_size:
+            return BAD_REQUEST, f"prompt token {max(tokens)} is outside the vocabulary of {limits.vocab_size}"
+    # A text prompt's token count is the GPU worker's to check (it tokenizes): prompt_too_long.
+    if request.temperature < 0:
+        return BAD_REQUEST, f"temperature must be >= 0, got {request.temperature}"
+    if not 0 < request.top_p <= 1:
+        return BAD_REQUEST, f"top_p must be in (0, 1], got {request.top_p}"
     return None
 
 
 class JobFrontDoor:
     """FIFO of generate jobs over one GPU worker."""
 
-    def __init__(self, *, host: JobHost) -> None:
+    def __init__(self, *, host: JobHost, limits: FrontDoorLimits = FrontDoorLimits()) -> None:
         self._host = host
+        self._limits = limits
         self._queue: deque[_Job] = deque()
         self._running: _Job | None = None
         self._next_id = 0
-        self._totals = _Totals()
+        self._done = 0
+        self._failed = 0
         self._finishing = False
 
     @property
@@ -151,13 +180,18 @@ class JobFrontDoor:
             logger.warning("dropped a client message of %d frame(s)", len(frames))
             return
         identity, payload = frames[0], frames[1]
+        size = sum(len(frame) for frame in frames[1:])
+        if size > self._limits.max_request_bytes:
+            self._reply_error(identity, TOO_LARGE, f"request of {size} bytes refused unread; at most "
+                              f"{self._limits.max_request_bytes} bytes are accepted")  # fmt: skip
+            return
         try:
             fields = unpack_map(payload)
         except ProtocolError as error:
             if error.code == BAD_FRAME:
                 logger.warning("dropped a client frame: %s", error.message)
                 return
-            self._host.send_client(identity, JobFailed(code=error.code, message=error.message))
+            self._reply_error(identity, error.code, error.message)
             return
         raw_id = fields.get("id")
         request_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= MAX_ID_CHARS else ""
@@ -180,11 +214,15 @@ class JobFrontDoor:
             self._cancel(identity, request)
 
     def _generate(self, identity: bytes, request: Generate) -> None:
-        problem = _validate(request)
-        if problem is None and self._find(identity, request.id) is not None:
-            problem = f"job id {request.id!r} is already queued or running"
-        if problem is not None:
-            self._reply_error(identity, BAD_REQUEST, problem, request.id)
+        refusal = validate(request, self._limits)
+        if refusal is None and self._find(identity, request.id) is not None:
+            refusal = DUPLICATE_ID, f"job id {request.id!r} is already queued or running for this client"
+        if refusal is not None:
+            self._reply_error(identity, *refusal, request.id)
+            return
+        if len(self._queue) >= self._limits.queue_limit:
+            logger.info("busy: refused %r with %d jobs queued", request.id, len(self._queue))
+            self._send(identity, Busy(id=request.id, queued=len(self._queue)))
             return
         self._next_id += 1
         self._queue.append(_Job(self._next_id, identity, request))
@@ -196,18 +234,16 @@ class JobFrontDoor:
         if job is None:
             self._reply_error(identity, UNKNOWN_JOB, f"no queued or running job {request.id!r}", request.id)
         elif job is self._running:
-            if not job.cancelled:
-                job.cancelled = True
-                self._host.send_gpu(JobCancel(job_id=job.job_id))
+            self._stop_running(job)  # its `error` (cancelled) follows when the GPU worker stops
         else:
             self._queue.remove(job)
-            self._totals.jobs_failed += 1
+            self._failed += 1
             self._reply_error(identity, CANCELLED, f"job {request.id!r} was cancelled before it started", request.id)
 
     def stats(self, request_id: str) -> StatsReply:
         running = self._running.request.id if self._running is not None else None
-        return StatsReply(id=request_id, jobs_done=self._totals.jobs_done, jobs_failed=self._totals.jobs_failed,
-                          queued=len(self._queue), running=running, stats=self._totals.last)  # fmt: skip
+        return StatsReply(id=request_id, jobs_done=self._done, jobs_failed=self._failed, queued=len(self._queue),
+                          running=running, stats=self._host.cumulative_stats())  # fmt: skip
 
     # ------------------------------------------------------------ the GPU
 
@@ -225,10 +261,19 @@ class JobFrontDoor:
         self._host.begin_job(job.job_id)
         if not self._host.send_gpu(message):
             self._running = None
-            self._totals.jobs_failed += 1
+            self._failed += 1
             self._reply_error(job.identity, WORKER_FAILED, "the GPU worker cannot be reached", request.id)
             return
         logger.info("job %d (%r) started", job.job_id, request.id)
+
+    def fail_running(self, code: str, message: str) -> None:
+        """Fail the running job (e.g. memory pressure): the GPU worker is told to stop, the client gets `error`."""
+        job = self._running
+        if job is None or job.failure is not None:
+            return
+        logger.error("failing job %d (%r): %s: %s", job.job_id, job.request.id, code, message)
+        job.failure = (code, message)
+        self._stop_running(job)
 
     async def on_gpu(self, message: Token | JobDone | JobError) -> None:
         job = self._running
@@ -236,9 +281,12 @@ class JobFrontDoor:
             logger.warning("ignored %s for job %d: it is not the running job", message.OP, message.job_id)
             return
         if isinstance(message, Token):
-            job.tokens += 1
-            self._host.send_client(job.identity, TokenEvent(id=job.request.id, index=message.index,
-                                   token=message.token, text=message.text, logprobs=message.logprobs))  # fmt: skip
+            if job.client_gone or job.failure is not None:
+                return  # the job is being stopped; nobody should see more of it
+            event = TokenEvent(id=job.request.id, index=message.index, token=message.token, text=message.text,
+                               logprobs=message.logprobs)  # fmt: skip
+            if self._send(job.identity, event):
+                job.relayed += 1
         elif isinstance(message, JobDone):
             await self._finish(job, message, None)
         else:
@@ -251,32 +299,45 @@ class JobFrontDoor:
 
     async def _finish(self, job: _Job, done: JobDone | None, failure: tuple[str, str] | None) -> None:
         # No longer running (late messages for it are ignored), but the next job must not
-        # start while this one's stats are gathered.
+        # start while this one's stats are gathered and the safe point between jobs runs.
         self._running, self._finishing = None, True
         try:
-            stats, problem = await self._host.end_job(job.job_id, done)
-        except Exception as error:  # the client still gets an answer
-            logger.exception("gathering the stats of job %d failed", job.job_id)
-            stats, problem = JobStats(), f"gathering the job's stats failed: {error!r}"
+            try:
+                stats, problem = await self._host.end_job(job.job_id, done, job.relayed)
+            except Exception as error:  # the client still gets an answer
+                logger.exception("gathering the stats of job %d failed", job.job_id)
+                stats, problem = JobStats(), f"gathering the job's stats failed: {error!r}"
+            self._answer(job, done, job.failure or failure, problem, stats)
+            try:
+                await self._host.between_jobs()
+            except Exception:  # policy upkeep must never stop the queue
+                logger.exception("the safe point after job %d failed", job.job_id)
         finally:
             self._finishing = False
+        self.poke()
+
+    def _answer(self, job: _Job, done: JobDone | None, failure: tuple[str, str] | None, problem: str | None,
+                stats: JobStats) -> None:  # fmt: skip
         request_id = job.request.id
         if failure is None and problem is not None:
             failure = (HOOK_VIOLATION, problem)
         if failure is None and done is not None and (done.finish_reason == "cancelled" or job.cancelled):
             failure = (CANCELLED, f"job {request_id!r} was cancelled after {len(done.tokens)} tokens")
-        if failure is not None:
-            self._totals.jobs_failed += 1
+        if failure is not None or job.client_gone:
+            self._failed += 1
+        else:
+            self._done += 1
+        if job.client_gone:
+            logger.info("job %d (%r) ended after its client disconnected: %d tokens delivered", job.job_id,
+                        request_id, job.relayed)  # fmt: skip
+        elif failure is not None:
             logger.warning("job %d (%r) failed: %s: %s", job.job_id, request_id, *failure)
             self._reply_error(job.identity, failure[0], failure[1], request_id)
         else:
             assert done is not None
-            self._totals.jobs_done += 1
-            self._totals.last = stats
             logger.info("job %d (%r) done: %d tokens, %s", job.job_id, request_id, len(done.tokens), stats)
-            self._host.send_client(job.identity, Done(id=request_id, tokens=done.tokens, text=done.text,
-                                                      finish_reason=done.finish_reason, stats=stats))  # fmt: skip
-        self.poke()
+            self._send(job.identity, Done(id=request_id, tokens=done.tokens, text=done.text,
+                                          finish_reason=done.finish_reason, stats=stats))  # fmt: skip
 
     def shutdown(self, code: str, message: str) -> None:
         """Answer every queued and running job with `error` (the coordinator is stopping)."""
@@ -284,16 +345,45 @@ class JobFrontDoor:
         self._running = None
         self._queue.clear()
         for job in jobs:
-            self._totals.jobs_failed += 1
-            self._reply_error(job.identity, code, message, job.request.id)
+            self._failed += 1
+            if not job.client_gone:
+                self._host.send_client(job.identity, JobFailed(code=code, message=message, id=job.request.id))
 
     # ------------------------------------------------------------ helpers
 
+    def _stop_running(self, job: _Job) -> None:
+        if not job.cancelled:
+            job.cancelled = True
+            self._host.send_gpu(JobCancel(job_id=job.job_id))
+
     def _find(self, identity: bytes, request_id: str) -> _Job | None:
         jobs = ([self._running] if self._running is not None else []) + list(self._queue)
-        return next((j for j in jobs if j.identity == identity and j.request.id == request_id), None)
+        return next((j for j in jobs if j.identity == identity and j.request.id == request_id and not j.client_gone),
+                    None)  # fmt: skip
+
+    def _send(self, identity: bytes, message: object) -> bool:
+        if self._host.send_client(identity, message):
+            return True
+        self._client_gone(identity)
+        return False
+
+    def _client_gone(self, identity: bytes) -> None:
+        """A send to `identity` failed: that client disconnected. Stop its work; never wait for it."""
+        job = self._running
+        if job is not None and job.identity == identity and not job.client_gone:
+            job.client_gone = True
+            self._stop_running(job)
+            logger.warning("the client of job %d (%r) disconnected; cancelling it", job.job_id, job.request.id)
+        dropped = [queued for queued in self._queue if queued.identity == identity]
+        for queued in dropped:
+            self._queue.remove(queued)
+        if dropped:
+            self._failed += len(dropped)
+            logger.warning("dropped %d queued job(s) of a disconnected client: %s", len(dropped),
+                           [queued.request.id for queued in dropped])  # fmt: skip
 
     def _reply_error(self, identity: bytes, code: str, message: str, request_id: str = "") -> None:
-        self._host.send_client(identity, JobFailed(code=code, message=message, id=request_id))
+        self._send(identity, JobFailed(code=code, message=message, id=request_id))
 
-__all__ = ["HOOK_VIOLATION", "JobFrontDoor", "JobHost", "job_stats"]
+
+__all__ = ["DEFAULT_QUEUE_LIMIT", "HOOK_VIOLATION", "FrontDoorLimits", "JobFrontDoor", "JobHost", "validate"]

@@ -3,10 +3,14 @@
 One entry function, `run_coordinator`: setup (attach the slab, open the
 store, bind the I/O, GPU and jobs ROUTERs, build the residency manager), a
 single-threaded asyncio loop (I/O workers' replies, the GPU worker's lease
-protocol and job messages, clients' requests, a GPU-worker watchdog), and a
-`finally` that closes every socket before the context. It never unlinks the
-slab: the launcher owns it. Exits on SIGTERM/SIGINT or when the parent's
-death pipe reports end of file.
+protocol and job messages, clients' requests, a GPU-worker watchdog, the
+periodic ledger flush), and a `finally` that closes every socket before the
+context and flushes the ledger. It never unlinks the slab: the launcher owns
+it. Exits on SIGTERM/SIGINT or when the parent's death pipe reports end of file.
+
+Safe points (coordinator.safepoint): after each `fenced` sent to the GPU
+worker and each `token` relayed, the footprint is checked (rate-limited);
+between jobs, the footprint, live repin, heat decay and a ledger flush.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ import zmq
 import zmq.asyncio
 
 from coordinator.backend import IOWorkerBackend
-from coordinator.jobs import JobFrontDoor, job_stats
+from coordinator.jobs import FrontDoorLimits, JobFrontDoor
 from coordinator.leases import LeaseService
 from coordinator.residency import ExpertResidencyManager
+from coordinator.safepoint import FootprintMeter, MeteredBackend, SafePoints
+from coordinator.stats import JobBook, LoadTimer
 from coordinator.test_hooks import HookedBackend, wrap_backend
 from coordinator.usage import ExpertUsageLedger
 from shared.config import RunConfig, read_config
 from shared.gpu_messages import (
     COORDINATOR_ACCEPTS_FROM_GPU,
     Fence,
+    Fenced,
     GpuHello,
     GpuReady,
     GpuWelcome,
@@ -42,7 +49,7 @@ from shared.gpu_messages import (
     Routes,
     Token,
 )
-from shared.job_messages import SHUTTING_DOWN, HealthReply, JobStats
+from shared.job_messages import MAX_REQUEST_BYTES, PRESSURE, SHUTTING_DOWN, HealthReply, JobStats
 from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode, encode
 from shared.slab import Slab
 from shared.store import ExpertStore
@@ -54,8 +61,11 @@ NOT_READY = "not_ready"
 WATCH_INTERVAL_S = 0.5
 # A frame over ZMQ_MAXMSGSIZE is not refused: it drops the peer's connection. The jobs and GPU
 # sockets must take the largest legal `generate` (1 Mi prompt tokens at up to 9 msgpack bytes) and
-# `job_done`; the I/O socket (the backend's own) keeps the protocol default.
-JOBS_MAX_MESSAGE_BYTES = GPU_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# `job_done`; the I/O socket (the backend's own) keeps the protocol default. The jobs socket takes
+# frames well beyond the largest legal request, so an oversized one can still be answered
+# (`message_too_large`, by the front door) instead of silently dropping the client.
+GPU_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+JOBS_MAX_MESSAGE_BYTES = 2 * MAX_REQUEST_BYTES + 8 * 1024 * 1024
 
 
 def _router(context: zmq.asyncio.Context, endpoint: str, max_bytes: int) -> zmq.asyncio.Socket:
@@ -96,26 +106,41 @@ class Coordinator:
                  ledger: ExpertUsageLedger | None) -> None:  # fmt: skip
         self.config, self.store, self.slab, self.ledger = config, store, slab, ledger
         self.io, self.gpu_sock, self.jobs_sock = io, gpu_sock, jobs_sock
-        self.backend = wrap_backend(io, config.test_hooks, slab=slab)
+        self.gpu = _GpuSession()
+        self.hooked = wrap_backend(io, config.test_hooks, slab=slab)
+        self.timer = LoadTimer()
+        if config.test_footprint_offset_bytes:
+            logger.warning("TEST KNOB: %d bytes are added to every measured footprint",
+                           config.test_footprint_offset_bytes)  # fmt: skip
+        self.meter = FootprintMeter(slab=slab, pids=self._pids, dense_bytes=lambda: self.gpu.dense_bytes,
+                                    interval_s=config.footprint_interval_ms / 1e3,
+                                    offset=config.test_footprint_offset_bytes)  # fmt: skip
+        self.backend = MeteredBackend(self.hooked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
         self.manager = ExpertResidencyManager(plan=config.plan, sparse_layer_ids=store.sparse_layers,
                                               backend=self.backend, locate=store.locate,
                                               pinned=[tuple(pair) for pair in config.pinned], usage=ledger)  # fmt: skip
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
-        self.front = JobFrontDoor(host=self)
-        self.gpu = _GpuSession()
+        self.safepoints = SafePoints(manager=self.manager, backend=self.backend, meter=self.meter, ledger=ledger,
+                                     tolerance=config.pressure_tolerance_bytes,
+                                     flush_interval_s=config.usage_flush_s)  # fmt: skip
+        self.book = JobBook(leases=self.leases, manager=self.manager, meter=self.meter, timer=self.timer)
+        self.front = JobFrontDoor(host=self, limits=FrontDoorLimits.for_model(store.config,
+                                                                              queue_limit=config.queue_limit))
         self.io_ready = False
         self.stopping = False
         self._violations = 0
         self._fallback_ops = 0
-        self._peak_footprint = 0
 
     # ------------------------------------------------------------ tasks
 
     async def start_io(self) -> None:
         await self.io.start(timeout=self.config.start_timeout_s)
+        self.meter.sample(force=True)  # the coordinator's and the I/O workers' baselines
         if self.config.pinned:
             await self.manager.preload_pinned()
-            logger.info("preloaded %d pinned experts", len(self.config.pinned))
+            preload = self.manager.drain_policy_telemetry()  # not the first live repin's
+            logger.info("preloaded %d pinned experts: %d loads, %d bytes read", len(self.config.pinned),
+                        preload.loads, preload.read_bytes)  # fmt: skip
         self.io_ready = True
         logger.info("%d I/O workers ready", self.config.io_workers)
         self.front.poke()
@@ -175,8 +200,12 @@ class Coordinator:
                 self.leases.release_for_lost_worker("lost while its wave was being loaded")
                 return
             self._send(self.gpu_sock, identity, reply)
+            if isinstance(reply, Fenced):  # the end of a forward step: nothing is leased
+                self._safe_point()
         elif isinstance(message, (Token, JobDone, JobError)):
             await self.front.on_gpu(message)
+            if isinstance(message, Token):
+                self._safe_point()
         elif isinstance(message, ErrorReply):
             logger.warning("the GPU worker reported %s: %s", message.code, message.message)
 
@@ -215,6 +244,7 @@ class Coordinator:
                                dense_bytes=ready.dense_bytes, wrap_path=ready.wrap_path)  # fmt: skip
         logger.info("GPU worker pid %d ready: %d dense bytes, wrap path %s", ready.pid, ready.dense_bytes,
                     ready.wrap_path)  # fmt: skip
+        self.meter.sample(force=True)  # its baseline: Python, libraries, tokenizer and the dense weights
         self.front.poke()
 
     async def _gpu_lost(self, reason: str) -> None:
@@ -225,8 +255,8 @@ class Coordinator:
 
     # ------------------------------------------------------ JobHost
 
-    def send_client(self, identity: bytes, message: object) -> None:
-        self._send(self.jobs_sock, identity, message)
+    def send_client(self, identity: bytes, message: object) -> bool:
+        return self._send(self.jobs_sock, identity, message)
 
     def send_gpu(self, message: object) -> bool:
         return self.gpu.identity is not None and self._send(self.gpu_sock, self.gpu.identity, message)
@@ -239,36 +269,53 @@ class Coordinator:
                            gpu_worker=self.gpu.ready, accepting=not self.stopping)  # fmt: skip
 
     def begin_job(self, job_id: int) -> None:
-        self.leases.begin_job()
+        self.book.begin()
         self._violations = self._hook_violations()
 
-    async def end_job(self, job_id: int, done: JobDone | None) -> tuple[JobStats, str | None]:
-        lease = self.leases.end_job()
+    async def end_job(self, job_id: int, done: JobDone | None, relayed: int) -> tuple[JobStats, str | None]:
         try:
             fallback = sum(t.fallback_ops for t in await self.io.request_telemetry(timeout=2.0))
         except Exception as error:  # telemetry is a nicety; the job's answer must not wait on it
             logger.warning("I/O worker telemetry unavailable: %s", error)
             fallback = self._fallback_ops
         fallback_delta, self._fallback_ops = max(0, fallback - self._fallback_ops), fallback
-        footprint = self.backend.physical_footprint() + self.gpu.dense_bytes
-        self._peak_footprint = max(self._peak_footprint, footprint)
-        stats = job_stats(lease, done, wrap_path=self.gpu.wrap_path, footprint=footprint, peak=self._peak_footprint,
-                          budget=self.config.plan.budget_bytes, io_fallback_ops=fallback_delta)  # fmt: skip
+        stats = self.book.end(done, relayed=relayed, wrap_path=self.gpu.wrap_path, io_fallback_ops=fallback_delta)
         violations = self._hook_violations() - self._violations
-        if isinstance(self.backend, HookedBackend):
-            hooked = self.backend
+        if isinstance(self.hooked, HookedBackend):
+            hooked = self.hooked
             logger.info("test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
                         job_id, hooked.scribbles, hooked.restores, hooked.verified, hooked.violations)  # fmt: skip
         problem = None
         if violations:
-            messages = self.backend.messages[-violations:] if isinstance(self.backend, HookedBackend) else []
+            messages = self.hooked.messages[-violations:] if isinstance(self.hooked, HookedBackend) else []
             problem = f"{violations} test hook violation(s): " + "; ".join(messages[:5])
         return stats, problem
+
+    async def between_jobs(self) -> None:
+        if self.leases.held is None and not self.manager.active and not self.stopping:
+            await self.safepoints.between_jobs()
+
+    def cumulative_stats(self) -> JobStats:
+        return self.book.cumulative()
 
     # ------------------------------------------------------ helpers
 
     def _hook_violations(self) -> int:
-        return self.backend.violations if isinstance(self.backend, HookedBackend) else 0
+        return self.hooked.violations if isinstance(self.hooked, HookedBackend) else 0
+
+    def _safe_point(self) -> None:
+        """Inside a job, between two forward steps: the footprint check, and a failure if it cannot be met."""
+        job = self.front.running
+        if job is None or job.failure is not None or self.leases.held is not None or self.manager.active:
+            return
+        report = self.safepoints.step()
+        if report is not None and report.failed:
+            self.front.fail_running(PRESSURE, report.message())
+
+    def _pids(self) -> list[int]:
+        """The processes whose memory counts: this one, the ready I/O workers, the ready GPU worker."""
+        pids = [os.getpid(), *self.io.worker_pids().values()]
+        return pids + [self.gpu.pid] if self.gpu.ready else pids
 
     def _send(self, sock: zmq.asyncio.Socket, identity: bytes, message: object) -> bool:
         try:
@@ -340,7 +387,8 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
                     config.model_dir, config.plan.total_slots, config.plan.slot_bytes, config.plan.working_slots,
                     config.plan.slots_per_layer, config.plan.pinned_slots, config.endpoints.jobs)  # fmt: skip
         tasks = [loop.create_task(coro, name=coro.__name__) for coro in (
-            coordinator.start_io(), coordinator.serve_gpu(), coordinator.serve_jobs(), coordinator.watch_gpu())]
+            coordinator.start_io(), coordinator.serve_gpu(), coordinator.serve_jobs(), coordinator.watch_gpu(),
+            coordinator.safepoints.flush_periodically())]
         stopper = loop.create_task(stop.wait(), name="stop")
         pending = {stopper, *tasks}
         while stopper in pending:

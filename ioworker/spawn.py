@@ -91,7 +91,8 @@ def io_worker_command(config: WorkerConfig, *, python: str = sys.executable) -> 
 
 
 def spawn_io_worker(
-    config: WorkerConfig, *, python: str = sys.executable, env: Mapping[str, str] | None = None
+    config: WorkerConfig, *, python: str = sys.executable, env: Mapping[str, str] | None = None,
+    new_group: bool = False,
 ) -> WorkerProcess:
     """Start one I/O worker; it connects to `config.endpoint` and says hello.
 
@@ -106,6 +107,8 @@ def spawn_io_worker(
         pass_fds=() if config.death_fd is None else (config.death_fd,),
         close_fds=True,
         env=None if env is None else dict(env),
+        # Its own process group: a terminal's Ctrl-C goes to the supervisor, which stops it in order.
+        process_group=0 if new_group else None,
     )
     logger.debug("spawned I/O worker %d as pid %d", config.index, process.pid)
     return WorkerProcess(config.index, process)

@@ -3,8 +3,13 @@
 `spawn_child(name, argv)` starts `argv + ["--death-fd", N]`, where N is the
 read end of a pipe only this process can write to: the child exits when it
 reports end of file (the launcher closed it, or died). The child's stderr is
-forwarded line by line to the `moeslab.<name>` logger and its last lines are
+forwarded line by line to the `moeslab.child.<name>` logger and its last lines are
 kept, so a failed start can be reported in the child's own words.
+
+Every child runs in its own process group, so a terminal's Ctrl-C reaches
+only the supervisor, which then stops the children in order. `sentinel` is a
+pidfd (Linux) that becomes readable when the child exits, for the
+supervisor's select loop; None elsewhere (the loop then polls).
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ import signal
 import subprocess
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 logger = logging.getLogger("moeslab.launch")
 
 STDERR_TAIL_LINES = 40
+CHILD_LOGGER = "moeslab.child"  # parent of the loggers children's stderr lines are forwarded to
 _REPO = str(Path(__file__).resolve().parents[1])
 
 
@@ -34,7 +40,7 @@ class TailSource(Protocol):
 class ChildProcess:
     """One spawned child: its Popen, the write end of its death pipe, its recent stderr lines.
 
-    Each stderr line is forwarded to the `moeslab.<name>` logger as it arrives."""
+    Each stderr line is forwarded to the `moeslab.child.<name>` logger as it arrives."""
 
     def __init__(self, name: str, process: subprocess.Popen[bytes], death_w: int | None, *,
                  tail_source: TailSource | None = None) -> None:  # fmt: skip
@@ -42,6 +48,7 @@ class ChildProcess:
         self._tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self._reader: threading.Thread | None = None
         self._source = tail_source  # a process whose stderr someone else already pumps
+        self._pidfd: int | None = None
         if process.stderr is not None and tail_source is None:
             self._reader = threading.Thread(target=self._pump, name=f"{name}-stderr", daemon=True)
             self._reader.start()
@@ -53,6 +60,21 @@ class ChildProcess:
     @property
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+    @property
+    def sentinel(self) -> int | None:
+        """A descriptor readable once the child has exited (a pidfd), or None where there is none."""
+        if self._pidfd is None and hasattr(os, "pidfd_open") and self.process.returncode is None:
+            try:
+                self._pidfd = os.pidfd_open(self.process.pid)
+            except OSError:  # already reaped, or an old kernel: the caller polls
+                return None
+        return self._pidfd
+
+    def close_sentinel(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def stderr_tail(self, lines: int = 20) -> list[str]:
         if self._source is not None:
@@ -78,7 +100,16 @@ class ChildProcess:
             os.close(self.death_w)
             self.death_w = None
 
+    def terminate(self) -> None:
+        """SIGTERM, unless it has already exited."""
+        if self.process.poll() is None:
+            try:
+                self.process.terminate()
+            except ProcessLookupError:
+                pass
+
     def join(self) -> None:
+        self.close_sentinel()
         if self._source is not None:
             self._source.stderr_tail(0)  # joins its pump once the child has exited
         if self._reader is not None:
@@ -87,7 +118,7 @@ class ChildProcess:
     def _pump(self) -> None:
         stream = self.process.stderr
         assert stream is not None
-        child_logger = logging.getLogger(f"moeslab.{self.name.replace(' ', '-')}")
+        child_logger = logging.getLogger(f"{CHILD_LOGGER}.{self.name.replace(' ', '-').replace('/', '')}")
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip()
             self._tail.append(line)
@@ -100,21 +131,23 @@ _LEVELS = (("CRITICAL", logging.CRITICAL), ("ERROR", logging.ERROR), ("WARNING",
            ("DEBUG", logging.DEBUG))  # fmt: skip
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment (the shm tag included), the repo on PYTHONPATH, unbuffered."""
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def spawn_child(name: str, argv: Sequence[str], *, death: bool = True) -> ChildProcess:
+def spawn_child(name: str, argv: Sequence[str], *, death: bool = True,
+                env: Mapping[str, str] | None = None) -> ChildProcess:
     """Start `argv` + `--death-fd N` (the read end of a pipe only the launcher can write to)."""
     death_r, death_w = os.pipe() if death else (None, None)
     try:
         command = list(argv) + (["--death-fd", str(death_r)] if death_r is not None else [])
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE, pass_fds=() if death_r is None else (death_r,),
-                                   close_fds=True, env=child_env())  # fmt: skip
+                                   close_fds=True, env=child_env(env), process_group=0)  # fmt: skip
     except BaseException:
         for fd in (death_r, death_w):
             if fd is not None:
@@ -126,4 +159,4 @@ def spawn_child(name: str, argv: Sequence[str], *, death: bool = True) -> ChildP
     return ChildProcess(name, process, death_w)
 
 
-__all__ = ["STDERR_TAIL_LINES", "ChildProcess", "child_env", "spawn_child"]
+__all__ = ["CHILD_LOGGER", "STDERR_TAIL_LINES", "ChildProcess", "child_env", "spawn_child"]

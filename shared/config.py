@@ -67,6 +67,12 @@ class RunConfig:
     log_level: str = "INFO"
     start_timeout_s: float = 120.0  # how long the coordinator waits for its I/O workers
     version: int = CONFIG_VERSION
+    # The coordinator's policy knobs (coordinator/jobs.py, coordinator/safepoint.py).
+    queue_limit: int = 16  # generate jobs waiting behind the running one; one more is answered `busy`
+    footprint_interval_ms: float = 100.0  # the footprint is sampled at most this often (at safe points)
+    pressure_tolerance_bytes: int = 8 * 2**20  # measurement noise allowed above the budget before correcting
+    usage_flush_s: float = 30.0  # the usage ledger is flushed this often while dirty (and after each job)
+    test_footprint_offset_bytes: int = 0  # TEST KNOB: added to every measured footprint; 0 in real runs
 
 
 def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
@@ -158,6 +164,8 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"io_mode must be one of {IO_MODES}, got {config.io_mode!r}")
     if config.io_workers < 1:
         raise ConfigError(f"io_workers must be >= 1, got {config.io_workers}")
+    if config.queue_limit < 1:
+        raise ConfigError(f"queue_limit must be >= 1, got {config.queue_limit}")
     unknown = [hook for hook in config.test_hooks if hook not in TEST_HOOKS]
     if unknown:
         raise ConfigError(f"unknown test hook(s) {unknown}; known: {list(TEST_HOOKS)}")

@@ -30,6 +30,13 @@ PROMPT_TOO_LONG = "prompt_too_long"
 WORKER_FAILED = "worker_failed"
 PRESSURE = "memory_pressure"
 SHUTTING_DOWN = "shutting_down"
+DUPLICATE_ID = "duplicate_id"  # a generate whose id this client already has queued or running
+TOO_LARGE = "message_too_large"  # a frame over MAX_REQUEST_BYTES (answered without being parsed)
+
+# The largest legal `generate` is 1 Mi prompt tokens at up to 9 msgpack bytes each; a larger
+# frame is refused unread. (The jobs socket's ZMQ_MAXMSGSIZE is higher still: a frame over
+# that one drops the sender's connection, and cannot be answered at all.)
+MAX_REQUEST_BYTES = 12 * 1024 * 1024
 
 
 # ------------------------------------------------------------- requests
@@ -96,10 +103,11 @@ class JobStats:
     hints_skipped_resident: int = 0
     wrap_path: str = "copy"
     bytes_copied: int = 0
-    footprint_bytes: int = 0
-    peak_footprint_bytes: int = 0
+    footprint_bytes: int = 0  # dense + slab resident + process growth since start (coordinator/safepoint.py)
+    peak_footprint_bytes: int = 0  # the largest footprint sampled during the job (at safe points)
     budget_bytes: int = 0
     io_fallback_ops: int = 0  # reads served buffered because O_DIRECT was refused
+    overhead_bytes: int = 0  # the processes' own memory at start, not counted in footprint_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,16 +5,21 @@
 
 `start_system` plans the budget first (a budget that cannot start raises
 `BudgetError` naming every part, before anything is created), then creates
-the run directory (0700), the slab, `config.json` and `manifest.json`,
-spawns every child with its own death pipe, and waits until the
-coordinator's `health` says ready, while watching every child: one that exits
-or stalls fails the launch (`LaunchError`) with its name, exit code and last
-stderr lines. `stop()` terminates the children, unlinks the slab and removes
-what the launch created. The supervisor script reuses all of this.
+the run directory (0700), its owner record (`supervisor.json`, before the
+slab, so a crash never leaves a segment nobody can attribute), the slab,
+`config.json` and `manifest.json`, spawns every child with its own death
+pipe, and waits until the coordinator's `health` says ready, while watching
+every child: one that exits or stalls fails the launch (`LaunchError`) with
+its name, exit code and last stderr lines. `respawn()` replaces a dead I/O or
+GPU worker, `restart_all()` every child (the coordinator holds all policy
+state, so its workers' sessions die with it). `stop()` terminates the
+children, unlinks the slab and removes what the launch created. The
+supervisor (`shared.supervisor`) drives all of this.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -24,22 +29,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import posix_ipc
 import zmq
 
-from coordinator.residency_plan import DEFAULT_EXPERT_WORKING_SLOTS, ExpertResidencyPlan, plan_expert_residency
-from coordinator.usage import ExpertUsageLedger
+from coordinator.backend import REPLACEMENT_GRACE_ENV
+from coordinator.residency_plan import ExpertResidencyPlan
 from ioworker.main import WorkerConfig
 from ioworker.spawn import spawn_io_worker
+from shared.budget import DEFAULT_KV_RESERVE_BYTES, BudgetError, check_pins, choose_pins, plan_budget
 from shared.children import ChildProcess, child_env, spawn_child
 from shared.config import (
     CONFIG_FILE,
     IO_MODES,
     MANIFEST_FILE,
+    MAX_IPC_PATH,
     TEST_HOOKS,
+    Endpoints,
     RunConfig,
     SlabSpec,
     ipc_path,
@@ -48,75 +56,50 @@ from shared.config import (
 )
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
 from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
-from shared.slab import Slab
+from shared.slab import Slab, new_slab_name
+from shared.stale import write_run_record
 from shared.store import ExpertStore
 
 logger = logging.getLogger("moeslab.launch")
 
-DEFAULT_KV_RESERVE_BYTES = 256 * 2**20
-
-
-class BudgetError(ValueError):
-    """The memory budget cannot hold the model's fixed parts and the minimum slots."""
+# How long the coordinator's I/O backend keeps loads of a lost worker when no live worker is
+# left, waiting for the restarted one (the supervisor restarts dead workers).
+IO_REPLACEMENT_GRACE_S = 60.0
+COORDINATOR, GPU_WORKER = "coordinator", "GPU worker"
 
 
 class LaunchError(RuntimeError):
     """A child died or stalled while the system started; the message says which and why."""
 
 
-# ------------------------------------------------------------------ planning
+class LaunchCancelled(LaunchError):
+    """The `cancel` callback asked to stop while the system was starting."""
 
 
-def plan_budget(store: ExpertStore, *, memory_budget: int, kv_reserve_bytes: int = DEFAULT_KV_RESERVE_BYTES,
-                working_slots: int | None = None, slots_per_layer: int | None = None,
-                pinned: int = 0) -> ExpertResidencyPlan:  # fmt: skip
-    """The residency plan for `store` in `memory_budget`, or BudgetError naming every part."""
-    fixed = store.dense_bytes + kv_reserve_bytes
-    working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
-    layers, slot = len(store.sparse_layers), store.slot_bytes
-    if all(isinstance(n, int) and not isinstance(n, bool) for n in (memory_budget, working, pinned, kv_reserve_bytes)):
-        needed = fixed + (working + pinned + layers) * slot
-        if memory_budget < needed:
-            raise BudgetError(
-                f"memory budget {memory_budget} bytes cannot start {store.model_dir}: it needs the dense weights "
-                f"({store.dense_bytes} bytes) + the KV reserve ({kv_reserve_bytes} bytes) + {working} working "
-                f"slots + {pinned} pinned slots + one slot for each of {layers} sparse layers, at {slot} bytes "
-                f"per slot: {needed} bytes"
-            )
-    # Anything else wrong (a negative count, a non-integer) is the planner's to name.
-    return plan_expert_residency(budget_bytes=memory_budget, fixed_bytes=fixed, slot_bytes=slot, sparse_layers=layers,
-                                 working_slots=working, pinned_experts=pinned,
-                                 max_slots_per_layer=slots_per_layer)  # fmt: skip
+def io_worker_name(index: int) -> str:
+    return f"I/O worker {index}"
 
 
-def check_pins(store: ExpertStore, pins: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Explicit (layer, expert) pins, checked against the store; ValueError names a bad one."""
-    checked = tuple((int(layer), int(expert)) for layer, expert in pins)
-    for layer, expert in checked:
-        if layer not in store.sparse_layers or not 0 <= expert < store.experts_per_layer:
-            raise ValueError(f"pinned expert {layer}:{expert} is not an expert of the sparse layers "
-                             f"{list(store.sparse_layers)} x {store.experts_per_layer} experts")  # fmt: skip
-    if len(set(checked)) != len(checked):
-        raise ValueError(f"pinned experts repeat: {list(checked)}")
-    return checked
-
-
-def choose_pins(store: ExpertStore, count: int, usage_file: str | None) -> tuple[tuple[int, int], ...]:
-    """`count` (layer, expert) pins: the usage profile's most counted first, then round robin."""
-    pins: list[tuple[int, int]] = []
-    if count and usage_file and os.path.exists(usage_file):
-        ledger = ExpertUsageLedger.open(usage_file, layers=store.sparse_layers,
-                                        experts_per_layer=store.experts_per_layer)  # fmt: skip
-        pins = [(c.layer, c.expert_id) for c in ledger.ranked_counts()[:count]]
-    for expert in range(store.experts_per_layer):
-        for layer in store.sparse_layers:
-            if len(pins) >= count:
-                return tuple(pins)
-            if (layer, expert) not in pins:
-                pins.append((layer, expert))
-    if len(pins) < count:
-        raise BudgetError(f"{count} pinned experts asked for; the model has {len(pins)}")
-    return tuple(pins)
+def check_jobs_endpoint(endpoint: str) -> str:
+    """An `ipc://ABSOLUTE_PATH` or loopback `tcp://127.x.x.x:PORT` endpoint; ValueError otherwise."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not os.path.isabs(path) or len(path.encode()) > MAX_IPC_PATH:
+            raise ValueError(f"ipc endpoint {endpoint!r} needs an absolute path of at most {MAX_IPC_PATH} bytes")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback and ipaddress.ip_address(host).version == 4
+        except ValueError:
+            loopback = False
+        if not loopback:
+            # Jobs carry no authentication: only this machine may reach the front door.
+            raise ValueError(f"endpoint {endpoint!r} refused: only loopback tcp (tcp://127.0.0.1:PORT) is allowed")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"endpoint {endpoint!r} needs a port between 1 and 65535")
+        return endpoint
+    raise ValueError(f"endpoint {endpoint!r} must be ipc://PATH or tcp://127.0.0.1:PORT")
 
 
 # ------------------------------------------------------------------ the system
@@ -131,6 +114,8 @@ class _Options:
     start_timeout: float
     gpu_command: tuple[str, ...] | None
     python: str
+    jobs_endpoint: str | None
+    io_read_delay_ms: float
 
 
 class RunningSystem:
@@ -164,6 +149,10 @@ class RunningSystem:
     def slab_name(self) -> str | None:
         return self._slab_name
 
+    @property
+    def io_workers(self) -> int:
+        return self._options.io_workers
+
     def dead_children(self) -> list[str]:
         """Descriptions of the children that have exited."""
         return [child.describe() for child in self.children if child.exit_code is not None]
@@ -182,7 +171,7 @@ class RunningSystem:
 
     # ------------------------------------------------------------ start
 
-    def _start(self) -> None:
+    def _start(self, cancel: Callable[[], bool] | None) -> None:
         if self._owns_run_dir:
             self.run_dir = tempfile.mkdtemp(prefix="moeslab-")  # mode 0700
         else:
@@ -190,18 +179,23 @@ class RunningSystem:
             os.chmod(self.run_dir, 0o700)
         self.run_dir = os.path.abspath(self.run_dir)
         endpoints = run_endpoints(self.run_dir)
+        if self._options.jobs_endpoint is not None:
+            endpoints = Endpoints(io=endpoints.io, gpu=endpoints.gpu, jobs=self._options.jobs_endpoint)
         for endpoint in (endpoints.io, endpoints.gpu, endpoints.jobs):
             if os.path.exists(ipc_path(endpoint) or ""):
                 raise LaunchError(f"{ipc_path(endpoint)} exists: is another system running in {self.run_dir}?")
         plan = self.plan
-        slab = Slab.create(total_slots=plan.total_slots, slot_bytes=plan.slot_bytes)
-        self._slab_name = slab.name
-        slab.close()  # the launcher only owns the name; the workers map it
+        # The record names the segment before it exists: a crash in between leaves a record of a
+        # missing segment (harmless), never a segment no record names.
+        name = new_slab_name()
+        self._created.append(write_run_record(self.run_dir, name))
+        self._slab_name = name
+        Slab.create(total_slots=plan.total_slots, slot_bytes=plan.slot_bytes, name=name).close()  # workers map it
         manifest = os.path.join(self.run_dir, MANIFEST_FILE)
         self._write(manifest, json.dumps([os.path.abspath(path) for path in self.store.manifest]))
         options = self._options
         config = RunConfig(run_dir=self.run_dir, manifest=manifest, plan=plan, endpoints=endpoints,
-                           slab=SlabSpec(name=slab.name, total_slots=plan.total_slots, slot_bytes=plan.slot_bytes),
+                           slab=SlabSpec(name=name, total_slots=plan.total_slots, slot_bytes=plan.slot_bytes),
                            io_workers=options.io_workers, io_mode=options.io_mode, test_hooks=options.test_hooks,
                            log_level=options.log_level, start_timeout_s=options.start_timeout,
                            **self._fields)  # fmt: skip
@@ -210,34 +204,55 @@ class RunningSystem:
         self._created.append(config_path)
         self.config = config
         self._created += [ipc_path(e) or "" for e in (endpoints.io, endpoints.gpu, endpoints.jobs)]
-
-        python = options.python
-        self.children.append(spawn_child("coordinator", [python, "-m", "coordinator", "--config", config_path]))
-        for index in range(options.io_workers):
-            self._spawn_io_worker(index, config)
-        gpu = list(options.gpu_command or (python, "-m", "gpuworker"))
-        self.children.append(spawn_child("GPU worker", gpu + ["--model", config.model_dir, "--endpoint",
-                                                              endpoints.gpu, "--log-level", options.log_level]))
-        self._wait_ready(options.start_timeout)
+        self._spawn_all()
+        self._wait_ready(options.start_timeout, cancel)
         logger.info("system ready in %s: %s", self.run_dir, self.pids)
 
-    def _spawn_io_worker(self, index: int, config: RunConfig) -> None:
+    def _spawners(self) -> dict[str, Callable[[], ChildProcess]]:
+        """How to start each child by name (also how to restart one)."""
+        spawners: dict[str, Callable[[], ChildProcess]] = {COORDINATOR: self._spawn_coordinator}
+        for index in range(self._options.io_workers):
+            spawners[io_worker_name(index)] = lambda index=index: self._spawn_io_worker(index)
+        spawners[GPU_WORKER] = self._spawn_gpu_worker
+        return spawners
+
+    def _spawn_all(self) -> None:
+        for spawn in self._spawners().values():
+            self.children.append(spawn())
+
+    def _spawn_coordinator(self) -> ChildProcess:
+        assert self.config is not None
+        env = {REPLACEMENT_GRACE_ENV: str(IO_REPLACEMENT_GRACE_S)}
+        argv = [self._options.python, "-m", "coordinator", "--config", os.path.join(self.run_dir, CONFIG_FILE)]
+        return spawn_child(COORDINATOR, argv, env=env)
+
+    def _spawn_gpu_worker(self) -> ChildProcess:
+        assert self.config is not None
+        options = self._options
+        gpu = list(options.gpu_command or (options.python, "-m", "gpuworker"))
+        return spawn_child(GPU_WORKER, gpu + ["--model", self.config.model_dir, "--endpoint",
+                                              self.config.endpoints.gpu, "--log-level", options.log_level])
+
+    def _spawn_io_worker(self, index: int) -> ChildProcess:
+        config = self.config
+        assert config is not None
         death_r, death_w = os.pipe()
         try:
             worker = spawn_io_worker(WorkerConfig(
                 index=index, endpoint=config.endpoints.io, manifest=config.manifest, slab_name=config.slab.name,
                 total_slots=config.slab.total_slots, slot_bytes=config.slab.slot_bytes,
                 block_size=config.block_size, io_mode=config.io_mode, death_fd=death_r,  # type: ignore[arg-type]
-                handshake_timeout=config.start_timeout_s, log_level=config.log_level), env=child_env())  # fmt: skip
+                handshake_timeout=config.start_timeout_s, log_level=config.log_level,
+                test_read_delay_ms=self._options.io_read_delay_ms), env=child_env(), new_group=True)  # fmt: skip
         except BaseException:
             os.close(death_w)
             raise
         finally:
             os.close(death_r)
         # ioworker.spawn already pumps its stderr (to the ioworker.child logger) and keeps the tail.
-        self.children.append(ChildProcess(f"I/O worker {index}", worker.process, death_w, tail_source=worker))
+        return ChildProcess(io_worker_name(index), worker.process, death_w, tail_source=worker)
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, cancel: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + timeout
         context = zmq.Context()
         sock = context.socket(zmq.DEALER)
@@ -249,6 +264,8 @@ class RunningSystem:
             asked = 0
             next_ask = 0.0
             while True:
+                if cancel is not None and cancel():
+                    raise LaunchCancelled("stopped while the system was starting")
                 dead = [child for child in self.children if child.exit_code is not None]
                 if dead:
                     time.sleep(0.3)  # let the others' last words and exits arrive too
@@ -268,7 +285,7 @@ class RunningSystem:
                         raise LaunchError(f"the coordinator answered health with a bad frame: {error}") from None
                     if isinstance(reply, HealthReply):
                         last = reply
-                        if reply.ready:
+                        if reply.ready and reply.io_workers == self._options.io_workers:
                             return
         finally:
             sock.close(linger=0)
@@ -276,10 +293,10 @@ class RunningSystem:
 
     def _stalled(self, timeout: float, last: HealthReply | None) -> str:
         if last is None:
-            waiting = ["coordinator"]  # it never answered health
+            waiting = [COORDINATOR]  # it never answered health
         else:
-            waiting = [f"I/O worker {i}" for i in range(last.io_workers, self._options.io_workers)]
-            waiting += [] if last.gpu_worker else ["GPU worker"]
+            waiting = [io_worker_name(i) for i in range(last.io_workers, self._options.io_workers)]
+            waiting += [] if last.gpu_worker else [GPU_WORKER]
         state = "no health reply" if last is None else (
             f"health: {last.io_workers} of {self._options.io_workers} I/O workers ready, "
             f"GPU worker {'ready' if last.gpu_worker else 'not ready'}")  # fmt: skip
@@ -295,32 +312,77 @@ class RunningSystem:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
 
+    # ------------------------------------------------------------ restarts
+
+    def respawn(self, child: ChildProcess) -> ChildProcess:
+        """Start a new I/O or GPU worker in the place of `child`, which has exited."""
+        if child.exit_code is None:
+            raise ValueError(f"{child.name} (pid {child.pid}) is still running")
+        if child.name == COORDINATOR:
+            raise ValueError("the coordinator is restarted with restart_all()")
+        position = self.children.index(child)
+        child.close_death_pipe()
+        child.join()
+        replacement = self._spawners()[child.name]()
+        self.children[position] = replacement
+        logger.info("restarted %s as pid %d", child.name, replacement.pid)
+        return replacement
+
+    def restart_all(self, *, cancel: Callable[[], bool] | None = None) -> None:
+        """Stop every child that is left, then start them all again and wait until ready.
+
+        The slab, run directory and configuration stay; the new coordinator starts with every
+        slot idle and reads the usage ledger from its file. LaunchError if it does not come up."""
+        for child in self.children:  # their sessions died with the coordinator: nothing to finish
+            if child.exit_code is None:
+                child.process.kill()
+        self._terminate(self.children, timeout=5.0)
+        self.children.clear()
+        assert self.config is not None
+        for endpoint in (self.config.endpoints.io, self.config.endpoints.gpu, self.config.endpoints.jobs):
+            path = ipc_path(endpoint)
+            if path and os.path.lexists(path):
+                os.unlink(path)
+        self._spawn_all()
+        self._wait_ready(self._options.start_timeout, cancel)
+        logger.info("system restarted: %s", self.pids)
+
     # ------------------------------------------------------------ stop
 
+    def _terminate(self, children: Sequence[ChildProcess], *, timeout: float) -> None:
+        """SIGTERM, wait up to `timeout` in all, SIGKILL stragglers; then close pipes and join."""
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + timeout
+        for child in children:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %d) ignored SIGTERM; killing it", child.name, child.pid)
+                child.process.kill()
+                child.process.wait()
+        for child in children:
+            child.close_death_pipe()
+            child.join()
+
     def stop(self, *, timeout: float = 10.0) -> None:
-        """SIGTERM every child, SIGKILL stragglers, unlink the slab, remove what the launch created."""
+        """Stop every child in order, SIGKILL stragglers, unlink the slab, remove what the launch created.
+
+        The GPU worker first: it ends its job at the next lease reply (the coordinator is still
+        there to answer and to relay the job's error), fences and exits. Then the coordinator:
+        it answers queued jobs, flushes the ledger and tells the I/O workers to exit, while they
+        can still finish the loads it waits for. Then whatever I/O workers are left."""
         if self._stopped:
             return
         self._stopped = True
         try:
-            for child in self.children:
-                if child.exit_code is None:
-                    try:
-                        child.process.terminate()
-                    except ProcessLookupError:
-                        pass
             deadline = time.monotonic() + timeout
+            for group in ([c for c in self.children if c.name == GPU_WORKER],
+                          [c for c in self.children if c.name == COORDINATOR],
+                          [c for c in self.children if c.name not in (GPU_WORKER, COORDINATOR)]):  # fmt: skip
+                self._terminate(group, timeout=max(1.0, deadline - time.monotonic()))
             for child in self.children:
-                try:
-                    child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s (pid %d) ignored SIGTERM; killing it", child.name, child.pid)
-                    child.process.kill()
-                    child.process.wait()
-            for child in self.children:
-                child.close_death_pipe()
-                child.join()
-                if child.process.returncode not in (0, -signal.SIGTERM):
+                if child.process.returncode not in (0, -signal.SIGTERM):  # SIGTERM before its handler was set
                     logger.warning("%s", child.describe())
         finally:
             if self._slab_name is not None:
@@ -370,12 +432,18 @@ def start_system(
     start_timeout: float = 120.0,
     gpu_command: Sequence[str] | None = None,
     python: str = sys.executable,
+    jobs_endpoint: str | None = None,
+    io_read_delay_ms: float = 0.0,
+    cancel: Callable[[], bool] | None = None,
 ) -> RunningSystem:
     """Start coordinator, `io_workers` I/O workers and the GPU worker for `model_dir`; ready on return.
 
     `pinned`: a count (the usage profile's most counted experts first) or explicit (layer, expert)
     pairs. `gpu_command` replaces `python -m gpuworker` (tests); the launcher appends
-    `--model DIR --endpoint E --log-level L --death-fd N`.
+    `--model DIR --endpoint E --log-level L --death-fd N`. `jobs_endpoint` replaces
+    `ipc://RUN_DIR/jobs` (see `check_jobs_endpoint`). `io_read_delay_ms` slows every I/O worker's
+    loads (tests). `cancel` is polled while waiting for readiness: True stops the launch
+    (`LaunchCancelled`), with everything it created removed.
     """
     if io_mode not in IO_MODES:
         raise ValueError(f"io_mode must be one of {IO_MODES}, got {io_mode!r}")
@@ -384,6 +452,7 @@ def start_system(
         raise ValueError(f"unknown test hook(s) {[h for h in hooks if h not in TEST_HOOKS]}; known: {list(TEST_HOOKS)}")
     if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
         raise ValueError(f"io_workers must be a positive integer, got {io_workers!r}")
+    endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint)
     store = ExpertStore.open(model_dir, block_size=block_size)
     usage = os.path.abspath(os.fspath(usage_file)) if usage_file is not None else None
     if isinstance(pinned, int):
@@ -397,11 +466,11 @@ def start_system(
                   usage_file=usage)  # fmt: skip
     options = _Options(io_workers=io_workers, io_mode=io_mode, test_hooks=hooks, log_level=log_level,
                        start_timeout=float(start_timeout), gpu_command=tuple(gpu_command) if gpu_command else None,
-                       python=python)  # fmt: skip
+                       python=python, jobs_endpoint=endpoint, io_read_delay_ms=float(io_read_delay_ms))  # fmt: skip
     system = RunningSystem(store=store, plan=plan, run_dir=None if run_dir is None else os.fspath(run_dir),
                            owns_run_dir=run_dir is None, config_fields=fields, options=options)  # fmt: skip
     try:
-        system._start()
+        system._start(cancel)
     except BaseException:
         system.stop(timeout=5.0)
         raise
@@ -409,13 +478,19 @@ def start_system(
 
 
 __all__ = [
+    "COORDINATOR",
     "DEFAULT_KV_RESERVE_BYTES",
+    "GPU_WORKER",
+    "IO_REPLACEMENT_GRACE_S",
     "BudgetError",
     "ChildProcess",
+    "LaunchCancelled",
     "LaunchError",
     "RunningSystem",
+    "check_jobs_endpoint",
     "check_pins",
     "choose_pins",
+    "io_worker_name",
     "plan_budget",
     "spawn_child",
     "start_system",

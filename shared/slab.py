@@ -36,7 +36,7 @@ SLAB_TAG_ENV = "MOESLAB_SHM_TAG"
 def new_slab_name() -> str:
     """A random per-run segment name: `/moeslab-`, an optional tag, 12 hex digits."""
     tag = os.environ.get(SLAB_TAG_ENV, "")
-    if not (tag.isascii() and tag.isalnum() and len(tag) <= 8):
+    if tag and not (tag.isascii() and tag.isalnum() and len(tag) <= 8):  # no tag (unset or empty) is fine
         raise ValueError(f"{SLAB_TAG_ENV} must be at most 8 ASCII letters or digits, got {tag!r}")
     return f"{SLAB_NAME_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(6)}"
 

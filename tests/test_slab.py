@@ -96,3 +96,16 @@ def test_resident_bytes_follow_touched_pages():
         assert 0 < touched <= SLOT
     with Slab.create(total_slots=4, slot_bytes=SLOT, prefault=True) as slab:
         assert slab.resident_bytes() == slab.size
+
+
+def test_names_without_a_session_tag(monkeypatch):
+    """Outside the test session (a user's launch) there is no tag: names still work."""
+    from shared.slab import SLAB_TAG_ENV
+
+    monkeypatch.delenv(SLAB_TAG_ENV, raising=False)
+    name = new_slab_name()
+    assert name.startswith(SLAB_NAME_PREFIX) and len(name) <= MAX_NAME_LENGTH
+    assert check_slab_name(name) == name
+    monkeypatch.setenv(SLAB_TAG_ENV, "bad/tag")
+    with pytest.raises(ValueError, match="bad/tag"):
+        new_slab_name()

@@ -1,0 +1,20 @@
+#!/usr/bin/env python3
+"""Start and supervise a moeslab system; the same as the `moeslab-launch` console script.
+
+    python scripts/launch.py --model DIR --memory-budget 8GiB
+
+Prints one JSON line (`{"event": "ready", ...}`) on stdout once every process is ready;
+logs go to stderr. See `shared/supervisor.py` for the flags and what it does on failures.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
+
+from shared.supervisor import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
