@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 
 import zmq
 
+from coordinator.usage_path import default_usage_file
 from shared.budget import DEFAULT_KV_RESERVE_BYTES, BudgetError, auto_pins, parse_size
 from shared.children import CHILD_LOGGER, ChildProcess
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
@@ -393,8 +394,19 @@ def _pinned(options: SupervisorOptions) -> int | tuple[tuple[int, int], ...]:
                      working_slots=options.working_slots, usage_file=usage)  # fmt: skip
 
 
+def _with_default_usage_file(options: SupervisorOptions) -> SupervisorOptions:
+    """Without --usage-file the run keeps its history in the model's cache directory,
+    so a second run of the same model starts from what the first one learned."""
+    if options.usage_file is not None:
+        return options
+    path = default_usage_file(ExpertStore.open(options.model))
+    logger.info("expert usage history: %s (default for this model; --usage-file overrides)", path)
+    return replace(options, usage_file=path)
+
+
 def run_supervisor(options: SupervisorOptions) -> int:
     """Start the system, print the ready line, watch it until a signal or a fatal failure; the exit code."""
+    options = _with_default_usage_file(options)
     system: RunningSystem | None = None
     watcher: _Watcher | None = None
     context = zmq.Context()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -16,6 +18,14 @@ SHM_DIR = Path("/dev/shm")
 # so concurrent runs on the same machine never look like our leaks.
 SESSION_TAG = os.environ.setdefault(SLAB_TAG_ENV, secrets.token_hex(3))
 OUR_PREFIX = f"{SLAB_NAME_PREFIX[1:]}{SESSION_TAG}-"
+# Runs keep their usage history under $XDG_CACHE_HOME by default: point it at a
+# session directory so tests never write into the user's real cache.
+CACHE_HOME = os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="mltest-cache-"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if CACHE_HOME.startswith(os.path.join(tempfile.gettempdir(), "mltest-cache-")):
+        shutil.rmtree(CACHE_HOME, ignore_errors=True)
 
 
 def _shm_entries() -> set[str]:
