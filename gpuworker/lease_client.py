@@ -125,7 +125,11 @@ class LeaseClient:
         wraps = zero_copy if zero_copy is not None else zero_copy_supported()
         self.wrap_path = ZERO_COPY if wraps else COPY  # what a job that leased nothing reports
         # The copy path writes each leased slot once, straight into stacked arrays of this pool.
-        self._stack_pool = StackBuffers() if self.wrap_path == COPY else None
+        # Decode waves (top-k experts) reuse one pooled set; larger (prefill) waves get fresh buffers.
+        top_k = getattr(store, "top_k", None) or 8
+        self._stack_pool = StackBuffers(max_pooled=top_k) if self.wrap_path == COPY else None
+        self._pending: list[mx.array] = []  # outputs of detached waves that may still read the pool
+        self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet
         self._stats = _Counters(wrap_path=self.wrap_path)
         self._phase = DECODE
         self._bucket: list = self._stats.bucket(END_STEP, DECODE)  # where the next round trip is counted
@@ -146,7 +150,7 @@ class LeaseClient:
     @property
     def holding(self) -> bool:
         """Whether the coordinator may still consider a lease of this worker active."""
-        return self._unsent is not None or (
+        return self._unsent is not None or bool(self._acks) or (
             self._visit is not None and any(lease is not None for lease in self._visit.leases))
 
     # -- ExpertProvider ---------------------------------------------------------------------------
@@ -189,6 +193,9 @@ class LeaseClient:
             logger.warning("layer %d wave %d fenced twice", visit.layer, index)
             return
         visit.fenced[index] = True
+        # A detached wave's outputs may still be computing from pooled buffers: the next copy
+        # into the pool waits for them (`_wrap`).
+        self._pending.extend(getattr(wave, "outputs", ()))
         lease = visit.leases[index]
         if lease is None:
             # Never leased (the module gave up before reaching it): end the visit here.
@@ -205,15 +212,34 @@ class LeaseClient:
 
     # -- forward-pass boundaries ------------------------------------------------------------------
 
-    def end_step(self) -> None:
-        """After a forward pass: fence what is held, so nothing is leased between tokens."""
+    def end_step(self, *, wait: bool = True) -> None:
+        """After a forward pass: fence what is held, so nothing is leased between tokens.
+
+        `wait=False` (between the tokens of a job) sends the fence without waiting for its
+        `fenced`: the coordinator applies it at once (it reads this socket in order, so the
+        fence precedes the next `routes`), and the worker, which dropped every array reading
+        the slots before sending it, goes on with the next token's dense layers. The reply is
+        taken with the next one (`_round_trip`), or by a waiting `end_step`/`release`.
+        """
         if self._visit is not None:
             visit = self._visit
             self.release()
             raise LeaseError(f"layer {visit.layer}: forward pass ended with waves not fenced")
         if self._unsent is not None:
             self._bucket = self._stats.bucket(END_STEP, self._phase)
-        self._flush()
+        if wait:
+            self._flush()
+            self._drain()
+        elif self._unsent is not None:
+            lease_id, self._unsent = self._unsent, None
+            started = time.perf_counter()
+            self.channel.send(Fence(lease_id=lease_id, next=False))
+            self._acks.add(lease_id)
+            elapsed = time.perf_counter() - started
+            self._stats.round_trips += 1
+            self._stats.wait_s += elapsed
+            self._bucket[1] += 1
+            self._bucket[2] += elapsed
 
     def release(self) -> None:
         """Error and stop path: tell the coordinator every lease this client still holds."""
@@ -226,6 +252,7 @@ class LeaseClient:
                     visit.fenced[index] = True
                     self._unsent, self._unsent_last = lease.lease_id, False
         self._flush()
+        self._drain()
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -237,11 +264,33 @@ class LeaseClient:
         if not (isinstance(reply, Fenced) and reply.lease_id == lease_id):
             raise LeaseError(f"fence of lease {lease_id}: expected fenced {lease_id}, got {reply!r}")
 
+    def _drain(self) -> None:
+        """Wait for the `fenced` of every fence sent without waiting (`end_step(wait=False)`)."""
+        if not self._acks:
+            return
+        started = time.perf_counter()
+        try:
+            while self._acks:
+                reply = self.channel.wait_reply(f"fence of lease {min(self._acks)}", timeout_s=self.reply_timeout_s)
+                if not (isinstance(reply, Fenced) and reply.lease_id in self._acks):
+                    waiting, self._acks = sorted(self._acks), set()
+                    raise LeaseError(f"fences of leases {waiting}: expected fenced, got {reply!r}")
+                self._acks.discard(reply.lease_id)
+        finally:
+            elapsed = time.perf_counter() - started
+            self._stats.wait_s += elapsed
+            self._stats.bucket(END_STEP, self._phase)[2] += elapsed
+
     def _round_trip(self, message: object, what: str) -> object:
         started = time.perf_counter()
         self.channel.send(message)
         try:
-            return self.channel.wait_reply(what, timeout_s=self.reply_timeout_s)
+            reply = self.channel.wait_reply(what, timeout_s=self.reply_timeout_s)
+            # The `fenced` of fences sent without waiting come first (the coordinator answers in order).
+            while self._acks and isinstance(reply, Fenced) and reply.lease_id in self._acks:
+                self._acks.discard(reply.lease_id)
+                reply = self.channel.wait_reply(what, timeout_s=self.reply_timeout_s)
+            return reply
         finally:
             elapsed = time.perf_counter() - started
             self._stats.round_trips += 1
@@ -328,6 +377,9 @@ class LeaseClient:
         """The wave's tensors: stacked in ascending expert id (copy path: one copy, into the
         pool), or per expert in `expert_ids` order (zero copy: views of the slots)."""
         slot_of = dict(zip(lease.experts, lease.slots))
+        if self._pending:  # nothing may still read the pool's buffers when they are rewritten
+            mx.eval(*self._pending)  # (normally done already: the next layer's input needed them)
+            self._pending.clear()
         started = time.perf_counter()
         if self._stack_pool is not None:
             ordered = sorted(expert_ids)
@@ -370,6 +422,8 @@ class _Counters:
 
 
 def _make_wave(visit: _Visit, index: int, tensors) -> _Wave:
-    wave = _Wave(visit.waves[index], tensors, lease=(visit.layer, index), stacked=visit.stacked)
+    # The copy path's stacked tensors never read the slab: detached (fenced while computing).
+    wave = _Wave(visit.waves[index], tensors, lease=(visit.layer, index), stacked=visit.stacked,
+                 detached=visit.stacked)  # fmt: skip
     wave.visit, wave.index = visit, index
     return wave

@@ -201,9 +201,9 @@ class _Worker:
             logger.info("job %d: up to %d tokens", job.job_id, job.max_tokens)
             generation = run_job(job, model=self.model, tokenizer=self.tokenizer, config=self.info.config,
                                  send=channel.send, should_stop=lambda: self.should_stop(job.job_id),
-                                 after_forward=client.end_step,
+                                 after_forward=lambda: client.end_step(wait=False),
                                  prefill_step_size=self.config.prefill_step_size)  # fmt: skip
-            client.end_step()  # nothing is held after the last forward; make sure
+            client.end_step()  # nothing is held after the last forward (and every fence is acknowledged)
             stats = client.stats()
             channel.send(job_done(job, generation, wrap_path=stats.wrap_path, bytes_copied=stats.bytes_copied,
                                   copy_ms=stats.copy_ms, lease_wait_ms=stats.lease_wait_ms))  # fmt: skip

@@ -255,7 +255,7 @@ def slot_arrays(
 
 
 class StackBuffers:
-    """Reusable MLX arrays of shape [n, *tensor shape] that a wave's slots are copied into.
+    """MLX arrays of shape [n, *tensor shape] that a wave's slots are copied into.
 
     The streamed module needs each tensor of a wave stacked over the wave's
     experts. Building per-expert arrays and then `mx.stack`ing them copies
@@ -269,21 +269,31 @@ class StackBuffers:
     which precedes the next wave's copy), and because the pool's own reference
     keeps MLX from donating the buffer to an op's output.
 
-    Buffers are kept per (n, tensor specs): a decode wave always has top-k
-    experts, so one set serves every layer of every token; at most
-    `max_sets` sets are kept (prefill waves vary in size).
+    Sets of at most `max_pooled` experts are kept and reused, per (n, tensor
+    specs): a decode wave always has top-k experts, so one set serves every
+    layer of every token; at most `max_sets` sets are kept. Larger waves
+    (prefill) get fresh buffers each time, which MLX frees (to its cache)
+    once the wave is done, so prefill does not pin working-bank-sized memory.
     """
 
-    def __init__(self, *, max_sets: int = 4) -> None:
+    def __init__(self, *, max_pooled: int = 64, max_sets: int = 2) -> None:
         self._sets: dict[tuple, dict[str, tuple[np.ndarray, mx.array]]] = {}
+        self._max_pooled = max_pooled
         self._max_sets = max_sets
 
     def clear(self) -> None:
         self._sets.clear()
 
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(raw.nbytes for buffers in self._sets.values() for raw, _ in buffers.values())
+
     def get(self, n: int, layout: Sequence[SlotTensorLike]) -> dict[str, tuple[np.ndarray, mx.array]]:
         """{name: (writable uint8 numpy view [n, nbytes], the MLX array [n, *shape])}."""
-        key = (n, tuple((t.name, t.dtype, tuple(t.shape)) for t in layout))
+        if n > self._max_pooled:
+            return {t.name: _stack_buffer(n, t) for t in layout}
+        # Sorted: layers order the same tensors differently (by file offset).
+        key = (n, tuple(sorted((t.name, t.dtype, tuple(t.shape)) for t in layout)))
         found = self._sets.pop(key, None)
         if found is None:
             found = {t.name: _stack_buffer(n, t) for t in layout}
@@ -296,7 +306,7 @@ class StackBuffers:
 def _stack_buffer(n: int, tensor: SlotTensorLike) -> tuple[np.ndarray, mx.array]:
     """An MLX array [n, *shape] of the tensor's MLX dtype and a writable uint8 view of its memory."""
     storage = numpy_dtype(tensor.dtype)
-    base = mx.array(np.zeros((n, *tensor.shape), dtype=storage))  # materialised, MLX-owned
+    base = mx.zeros((n, *tensor.shape), dtype=mlx_dtype_of_numpy(storage))  # materialised by eval below
     target = mlx_storage_dtype(tensor.dtype)
     array = base if base.dtype == target else base.view(target)  # BF16 <- uint16: same buffer
     mx.eval(array)
@@ -311,6 +321,10 @@ def _stack_buffer(n: int, tensor: SlotTensorLike) -> tuple[np.ndarray, mx.array]
     if probe != 1:
         raise RuntimeError(f"stack buffer for {tensor.name!r}: MLX array does not share the host buffer")
     return raw, array
+
+
+def mlx_dtype_of_numpy(dtype: np.dtype) -> mx.Dtype:
+    return getattr(mx, np.dtype(dtype).name)
 
 
 def stacked_slot_arrays(

@@ -48,6 +48,11 @@ def _evaluate(*arrays: mx.array) -> None:
     mx.eval(*arrays)
 
 
+def _evaluate_async(*arrays: mx.array) -> None:
+    """mx.async_eval (a detached wave's output), behind a name the tests can observe."""
+    mx.async_eval(*arrays)
+
+
 class ExpertProviderError(ValueError):
     """A provider answered with waves that do not serve the routes asked for."""
 
@@ -79,9 +84,16 @@ class LeasedWave:
     `stacked=True`: the tensors come already stacked, one `{name: [n, ...]}`
     mapping with the experts in ascending id (a provider that copies each
     slot straight into a stacked array saves the module's `mx.stack` copy).
+
+    `detached=True`: the tensors are copies that never read the provider's
+    slots (the copy path), so the wave may be fenced while its output is
+    still being computed: the module starts the output's evaluation
+    (`mx.async_eval`) instead of waiting for it, and hands it over in
+    `outputs` with the fence. The provider must not overwrite the tensors'
+    memory (a reused buffer) before those outputs are evaluated.
     """
 
-    __slots__ = ("expert_ids", "lease", "stacked", "_tensors")
+    __slots__ = ("expert_ids", "lease", "stacked", "detached", "outputs", "_tensors")
 
     def __init__(
         self,
@@ -90,10 +102,13 @@ class LeasedWave:
         *,
         lease: object = None,
         stacked: bool = False,
+        detached: bool = False,
     ) -> None:
         self.expert_ids: tuple[int, ...] = tuple(int(e) for e in expert_ids)
         self.lease = lease
         self.stacked = bool(stacked)
+        self.detached = bool(detached)
+        self.outputs: tuple[mx.array, ...] = ()  # a detached wave's outputs, possibly still computing
         if not callable(tensors):
             if self.stacked:
                 tensors = dict(tensors)  # type: ignore[arg-type]
@@ -260,7 +275,10 @@ class StreamedSwitch(nn.Module):
 
         On return no array of this frame reads the wave: the output is
         evaluated (MLX detaches evaluated arrays from their inputs) and the
-        stacked parameters are removed from the module.
+        stacked parameters are removed from the module. A detached wave's
+        output is only being evaluated (its tensors are copies, not slots):
+        the wave carries it in `outputs` for the provider, and the next
+        layer's graph is built while it computes.
         """
         order, stacked = _stacked(wave, self.expert_params, self.layer)
         lookup = np.full(self.num_experts, -1, dtype=np.int64)
@@ -271,7 +289,11 @@ class StreamedSwitch(nn.Module):
         del stacked
         try:
             y = self.switch(x, positions)
-            _evaluate(y)
+            if getattr(wave, "detached", False):
+                _evaluate_async(y)
+                wave.outputs = (y,)
+            else:
+                _evaluate(y)
         finally:
             self._clear()
         return y

@@ -449,3 +449,116 @@ def test_loading_reads_dense_bytes_only(layout, tmp_path):
     assert streamed_run["active"] <= dense + 2**20
     # The instrument can see the experts when they are loaded.
     assert full_run["rss"] >= 0.8 * routed, full_run
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked waves (the lease client's copy path hands the module [n, ...] arrays, no mx.stack)
+
+
+class StackedProvider:
+    """Serves each wave already stacked in ascending expert id, as `LeasedWave(stacked=True)`."""
+
+    def __init__(self, experts: dict[int, dict[str, mx.array]], *, bank: int) -> None:
+        self.experts, self.bank = experts, bank
+        self.waves = self.fenced = 0
+
+    def acquire(self, layer, routes):
+        unique = list(dict.fromkeys(routes.reshape(-1).tolist()))
+        waves = []
+        for start in range(0, len(unique), self.bank):
+            ids = unique[start : start + self.bank]
+            ordered = mx.array(sorted(ids))
+            tensors = {name: array[ordered] for name, array in self.experts[layer].items()}
+            waves.append(LeasedWave(ids, tensors, lease=self.waves, stacked=True))
+            self.waves += 1
+        return waves
+
+    def fence(self, wave):
+        self.fenced += 1
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stacked_waves_are_bit_identical(family, quantized, models):
+    path = models(family, quantized)
+    oracle, config = load_model(path)
+    experts = _experts_of(oracle)
+    top_k = config.get("num_experts_per_tok") or config["experts_per_token"]
+    one_wave = StackedProvider(experts, bank=10**6)
+    model, _ = load_streamed_model(path, provider=one_wave)
+    ids = mx.array([PROMPT[:40], PROMPT[5:45]])
+    assert mx.array_equal(oracle(ids), model(ids)).item()  # one wave: mlx-lm's computation exactly
+    want_tokens, want_lp = _greedy(oracle, PROMPT)
+    got_tokens, got_lp = _greedy(model, PROMPT)
+    assert got_tokens == want_tokens
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))  # decode: bit for bit
+    # A working bank of top_k: prefill in several stacked waves.
+    banked = StackedProvider(experts, bank=top_k)
+    model, _ = load_streamed_model(path, provider=banked)
+    got_tokens, got_lp = _greedy(model, PROMPT)
+    assert got_tokens == want_tokens and max(_rel(a, b) for a, b in zip(want_lp, got_lp)) <= RTOL
+    assert banked.fenced == banked.waves > len(experts) * (GENERATED + 1)
+
+
+def test_stacked_wave_of_wrong_shape_is_refused(models):
+    path = models("qwen3_moe", True)
+    oracle, _ = load_model(path)
+    experts = _experts_of(oracle)
+
+    class Short(StackedProvider):
+        def acquire(self, layer, routes):
+            waves = super().acquire(layer, routes)
+            for wave in waves:
+                tensors = wave.take()
+                name = sorted(tensors)[0]
+                tensors[name] = tensors[name][:-1]  # one expert short
+                wave._tensors = tensors
+            return waves
+
+    provider = Short(experts, bank=10**6)
+    model, _ = load_streamed_model(path, provider=provider)
+    with pytest.raises(ExpertProviderError, match="stacked"):
+        model(mx.array([PROMPT[:8]]))
+    assert provider.fenced == provider.waves  # still fenced
+
+
+class DetachedProvider(StackedProvider):
+    """Stacked copies in one reused buffer per layer, as the lease client's pool: detached waves.
+
+    Before rewriting the buffer it checks that the previous wave's outputs were handed over with
+    its fence, and evaluates them (what the lease client does)."""
+
+    def __init__(self, experts, *, bank: int) -> None:
+        super().__init__(experts, bank=bank)
+        self.pending: list[mx.array] = []
+        self.async_outputs = 0
+
+    def acquire(self, layer, routes):
+        if self.pending:
+            mx.eval(*self.pending)
+            self.pending.clear()
+        waves = super().acquire(layer, routes)
+        for wave in waves:
+            wave.detached = True
+        return waves
+
+    def fence(self, wave):
+        assert wave.outputs, "a detached wave is fenced with its outputs"
+        self.async_outputs += len(wave.outputs)
+        self.pending.extend(wave.outputs)
+        super().fence(wave)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_detached_waves_compute_asynchronously_and_stay_bit_identical(family, models, monkeypatch):
+    path = models(family, True)
+    oracle, _ = load_model(path)
+    calls = []
+    monkeypatch.setattr(streamed, "_evaluate_async", lambda *a: (calls.append(len(a)), mx.async_eval(*a)))
+    provider = DetachedProvider(_experts_of(oracle), bank=10**6)
+    model, _ = load_streamed_model(path, provider=provider)
+    want_tokens, want_lp = _greedy(oracle, PROMPT)
+    got_tokens, got_lp = _greedy(model, PROMPT)
+    assert got_tokens == want_tokens
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))
+    assert calls and provider.async_outputs == provider.fenced == provider.waves == len(calls)

@@ -156,3 +156,80 @@ def test_counters_accumulate():
     snapshot = counters.snapshot()
     assert snapshot.copy_calls == 3 and snapshot.zero_copy_calls == 0
     assert snapshot.bytes_copied == 3 * sum(tensor.nbytes for tensor in layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked, one copy: slots straight into [n, ...] arrays (what the lease client hands the module)
+
+
+def _random_sources(seed: int) -> dict[str, tuple[str, mx.array]]:
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((8, 16)).astype(np.float32)
+    return {
+        "gate_proj.weight": ("U32", mx.array(rng.integers(0, 2**32, (8, 4), dtype=np.uint32))),
+        "gate_proj.scales": ("F32", mx.array(values[:, :2])),
+        "gate_proj.biases": ("BF16", mx.array(values[:3]).astype(mx.bfloat16)),
+        "up_proj.scales": ("F16", mx.array(values[:2, :3]).astype(mx.float16)),  # odd byte count
+    }
+
+
+def _filled(slots_and_seeds, *, order=None):
+    buffer = bytearray(6 * SLOT)
+    layouts = {}
+    for slot, seed in slots_and_seeds:
+        sources = _random_sources(seed)
+        if order is not None:
+            sources = {name: sources[name] for name in order}
+        layouts[slot] = _fill(buffer, slot, sources, start=8 + 16 * slot)
+    return buffer, layouts
+
+
+@pytest.mark.parametrize("max_pooled", [8, 2], ids=["pooled", "fresh"])
+def test_stacked_equals_stack_of_copies_bit_for_bit(max_pooled):
+    names = list(_random_sources(0))
+    buffer, layouts = _filled([(4, 1), (1, 2), (3, 3)], order=names)
+    # One slot's layout names the same tensors in another order (stores order them by file offset).
+    buffer2, reordered = _filled([(5, 4)], order=list(reversed(names)))
+    buffer[5 * SLOT : 6 * SLOT] = buffer2[5 * SLOT : 6 * SLOT]
+    layouts.update(reordered)
+    slots_ = [4, 1, 5, 3]
+    pool = slots.StackBuffers(max_pooled=max_pooled)
+    stacked, stats = slots.stacked_slot_arrays(buffer, slots_, SLOT, [layouts[s] for s in slots_], pool)
+    singles = [slot_arrays(buffer, s, SLOT, layouts[s], zero_copy=False)[0] for s in slots_]
+    assert stats.path == COPY and stats.bytes_copied == stats.nbytes == sum(
+        t.nbytes for s in slots_ for t in layouts[s])
+    assert set(stacked) == set(names)
+    for name in names:
+        want = mx.stack([single[name] for single in singles])
+        got = stacked[name]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert _raw(got) == _raw(want), name  # the same bytes: the kernels see the same input
+    # The slab is not aliased: scribbling on it changes nothing already handed out.
+    before = {name: _raw(array) for name, array in stacked.items()}
+    np.frombuffer(buffer, dtype=np.uint8)[:] = 0xFF
+    assert {name: _raw(array) for name, array in stacked.items()} == before
+
+
+def test_pooled_buffers_are_reused_and_rewritten():
+    buffer, layouts = _filled([(0, 1), (1, 2), (2, 3), (3, 4)], order=list(_random_sources(0)))
+    pool = slots.StackBuffers(max_pooled=4)
+    first, _ = slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], pool)
+    kept = {name: array for name, array in first.items()}
+    second, _ = slots.stacked_slot_arrays(buffer, [2, 3], SLOT, [layouts[2], layouts[3]], pool)
+    for name, array in second.items():
+        assert array is kept[name]  # the same MLX array, overwritten in place
+        want = mx.stack([slot_arrays(buffer, s, SLOT, layouts[s], zero_copy=False)[0][name] for s in (2, 3)])
+        assert _raw(array) == _raw(want)
+    assert pool.pooled_bytes == sum(t.nbytes for t in layouts[0]) * 2
+    fresh = slots.StackBuffers(max_pooled=1)
+    one, _ = slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], fresh)
+    assert fresh.pooled_bytes == 0  # larger than max_pooled: not kept
+
+
+def test_stacked_refuses_mismatched_layouts():
+    buffer, layouts = _filled([(0, 1), (1, 2)], order=list(_random_sources(0)))
+    short = layouts[1][:-1]
+    with pytest.raises(ValueError, match="same tensors"):
+        slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], short], slots.StackBuffers())
+    with pytest.raises(ValueError, match="slots but"):
+        slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0]], slots.StackBuffers())
