@@ -306,7 +306,7 @@ class StackBuffers:
 def _stack_buffer(n: int, tensor: SlotTensorLike) -> tuple[np.ndarray, mx.array]:
     """An MLX array [n, *shape] of the tensor's MLX dtype and a writable uint8 view of its memory."""
     storage = numpy_dtype(tensor.dtype)
-    base = mx.zeros((n, *tensor.shape), dtype=mlx_dtype_of_numpy(storage))  # materialised by eval below
+    base = mx.zeros((n, *tensor.shape), dtype=_mlx_dtype_of_numpy(storage))  # materialised by eval below
     target = mlx_storage_dtype(tensor.dtype)
     array = base if base.dtype == target else base.view(target)  # BF16 <- uint16: same buffer
     mx.eval(array)
@@ -323,7 +323,7 @@ def _stack_buffer(n: int, tensor: SlotTensorLike) -> tuple[np.ndarray, mx.array]
     return raw, array
 
 
-def mlx_dtype_of_numpy(dtype: np.dtype) -> mx.Dtype:
+def _mlx_dtype_of_numpy(dtype: np.dtype) -> mx.Dtype:
     return getattr(mx, np.dtype(dtype).name)
 
 

@@ -2,27 +2,37 @@
 
     python scripts/bench_generate.py [--layers 8 --experts 128 --hidden 2048 --moe-intermediate 768
                                       --top-k 8 --bits 4 --scale-dtype float32|bfloat16]
-                                     [--tokens 32 --prompt-tokens 16 --repeats 3] [--model DIR] [--json]
+                                     [--tokens 32 --prompt-tokens 16 --repeats 3 --temperature 0]
+                                     [--sequential] [--model DIR] [--json]
 
-One run, in this order:
+What is measured (default order: interleaved):
 
-1. **mlx-lm**: `mlx_lm.utils.load_model` of the whole model and its own
-   `generate_step` (greedy), `--repeats` times, in this process; then the
-   model is freed (del, gc, `mx.clear_cache`) before anything else starts.
-2. **disk**: `--disk-experts` random experts of the checkpoint read with the
-   native O_DIRECT reader (`native.ReadPool`, the I/O workers' reader), in
-   batches of `--disk-batch` experts with every segment of a batch in flight
-   on io_workers x queue-depth threads, as a layer visit's misses are; plus
-   one expert at a time (the latency of a single miss).
-3. **resident**: the system (`shared.launch.start_system`) with every expert
-   resident (slots_per_layer = experts); a warm-up job loads them, then
-   `--repeats` jobs of the same prompt decode from hits only.
-4. **streaming**: slots_per_layer = experts x `--resident-fraction` (0.25);
-   a warm-up job, then `--repeats` jobs. Roofline:
-   1 / (t_compute + miss_bytes_per_token / disk_MBps), with t_compute the
-   resident run's time per decode token (and, stricter, mlx-lm's), the miss
-   bytes per decode token as the GPU worker's leases report them (prefill
-   excluded), and disk_MBps from step 2.
+- **mlx-lm**: `mlx_lm.utils.load_model` of the whole model (every parameter
+  in memory) and its own `generate_step`, in this process, sampling as the
+  GPU worker does (greedy by default).
+- **resident**: the system (`shared.launch.start_system`) with every expert
+  resident (slots_per_layer = experts, plus the working bank); a warm-up job
+  of the same prompt loads every expert the measured jobs route to, so they
+  decode from hits only (the report shows their misses: 0).
+- **streaming**: slots_per_layer = experts x `--resident-fraction` (0.25);
+  a warm-up job reaches the steady state, then the measured jobs.
+- **disk**: `--disk-experts` random experts of the checkpoint read with the
+  native O_DIRECT reader (`native.ReadPool`, the I/O workers' reader) in
+  batches the size of a decode layer visit's misses (measured in the
+  streaming jobs), every segment of a batch in flight on io_workers x 8
+  threads, as the I/O workers read a visit's misses; plus one expert alone.
+- **roofline** of the streaming run: 1 / (t_compute + miss_bytes / disk_MBps)
+  with miss_bytes the bytes of the experts missed per decode token (the
+  GPU worker's leases say how many of each wave were resident; prefill
+  excluded), disk_MBps as above, and t_compute the resident run's time per
+  decode token (`ratio`) or, stricter, mlx-lm's (`ratio_mlx_lm`).
+
+Interleaved: mlx-lm stays loaded next to both started systems (about 8.5 GB
+at the default sizes) and each of `--repeats` rounds runs mlx-lm, a resident
+job, a streaming job and a disk measurement back to back, so a busy machine
+slows the things compared alike; `vs_mlx_lm_rounds` pairs each round.
+`--sequential`: mlx-lm first, freed (del, gc, `mx.clear_cache`) before the
+systems start one after the other (for models too big to keep twice).
 
 Every job's tokens must equal mlx-lm's (the script exits 1 otherwise). The
 GPU worker's per-layer lease telemetry (IPC wait = lease round trips,
@@ -31,8 +41,12 @@ medians over the repeats; decode tok/s is (tokens - 1) / (time from the first
 token to the last), the same definition for mlx-lm and for the system.
 
 The benchmark model is built once with mlx-lm's own classes, quantize and
-save functions (qwen3_moe, Qwen3-30B-A3B's expert shapes by default) and
-cached under `<repo>/.cache/bench-model-<fingerprint>`. MLX's CPU kernels run
+save functions (qwen3_moe, Qwen3-30B-A3B's expert and attention shapes by
+default: 2.95 MB per 4-bit expert with fp32 scales, 3.0 GB of experts at 8
+layers) and cached under `<repo>/.cache/bench-model-<fingerprint>`. Its
+residual branches are scaled down (`scale_residual_branches`) so that, as in
+a trained model, routing follows the token: with mlx-lm's plain random init
+every layer past the first sends a whole generation to a few dozen experts. MLX's CPU kernels run
 bf16 several times slower than fp32, so on CPU the default keeps the
 quantization scales (and every other float) in float32; `--scale-dtype
 bfloat16` builds the bf16 variant. `--json`: the last line is one JSON object.
@@ -676,7 +690,8 @@ class Bench:
                             if job["telemetry"] and job["telemetry"].get("decode_passes")]) if streaming else 0.0
         batch = max(1, round(per_visit)) if streaming else self.store.top_k
         result = disk_bandwidth(self.store, experts=self.args.disk_experts, batch=batch,
-                                threads=self.args.io_workers * 8, io_mode=self.io_mode)  # fmt: skip
+                                threads=self.args.io_workers * 8, io_mode=self.io_mode,
+                                seed=7 + len(self.disk_runs))  # other experts each time  # fmt: skip
         result["misses_per_visit"] = per_visit
         self.disk_runs.append(result)
 
@@ -764,6 +779,7 @@ class Bench:
             if not args.sequential:  # the same round's mlx-lm run
                 resident["vs_mlx_lm_rounds"] = [r / b["decode_tok_s"] for r, b in
                                                 zip(resident["decode_tok_s_runs"], self.base_runs)]  # fmt: skip
+                resident["vs_mlx_lm_round_median"] = median(resident["vs_mlx_lm_rounds"])
         if streaming and disk:
             miss_bytes = streaming.get("miss_bytes_per_token", 0.0)
             t_mlx = 1 / base_tok_s
@@ -780,6 +796,11 @@ class Bench:
                 roof["t_compute_resident_s"] = t_resident
                 roof["roofline_tok_s"] = roofline(t_resident, miss_bytes, disk["MBps"])
                 roof["ratio"] = streaming["decode_tok_s"] / roof["roofline_tok_s"]
+                if not args.sequential:  # each round against its own resident job and disk figure
+                    roof["ratio_rounds"] = [
+                        got / roofline(1 / res, miss_bytes, disk_run["MBps"]) for got, res, disk_run in
+                        zip(streaming["decode_tok_s_runs"], resident["decode_tok_s_runs"], self.disk_runs)]  # fmt: skip
+                    roof["ratio_round_median"] = median(roof["ratio_rounds"])
             streaming["roofline"] = roof
         report["tokens_match"] = bool(ok)
         return report
@@ -819,7 +840,8 @@ def print_report(report: dict[str, Any], say) -> None:
             if "roofline_tok_s" in roof:
                 say(f"  roofline 1/(t_compute {roof['t_compute_resident_s'] * 1e3:.1f} ms [resident] + "
                     f"{roof['disk_s_per_token'] * 1e3:.1f} ms disk) = {roof['roofline_tok_s']:.3f} tok/s -> "
-                    f"ratio {roof['ratio']:.3f}")  # fmt: skip
+                    f"ratio {roof['ratio']:.3f}"
+                    + (f" (per round {_fmt(roof['ratio_rounds'])})" if "ratio_rounds" in roof else ""))  # fmt: skip
             say(f"  roofline 1/(t_compute {roof['t_compute_mlx_lm_s'] * 1e3:.1f} ms [mlx-lm] + "
                 f"{roof['disk_s_per_token'] * 1e3:.1f} ms disk) = {roof['roofline_tok_s_mlx_lm']:.3f} tok/s -> "
                 f"ratio {roof['ratio_mlx_lm']:.3f}")  # fmt: skip

@@ -8,27 +8,51 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_bench_generate_reports_both_comparisons(tmp_path):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-cache")  # the tiny model is built once for both orders
+
+
+@pytest.mark.parametrize("order", ["interleaved", "sequential"])
+def test_bench_generate_reports_both_comparisons(cache, order):
     command = [
         sys.executable, str(ROOT / "scripts" / "bench_generate.py"),
         "--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64",
-        "--top-k", "2", "--tokens", "6", "--prompt-tokens", "6", "--repeats", "1",
-        "--cache-dir", str(tmp_path), "--json",
+        "--top-k", "2", "--tokens", "6", "--prompt-tokens", "6", "--repeats", "1", "--disk-experts", "8",
+        "--cache-dir", str(cache), "--json", *(["--sequential"] if order == "sequential" else []),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["tokens_match"] is True
+    assert report["order"] == order
+    # Every job's tokens equal mlx-lm's (the script exits 1 otherwise).
+    assert report["tokens_match"] is True and report["mlx_lm"]["repeat_tokens_equal"] is True
     assert report["resident"]["tokens_match"] and report["streaming"]["tokens_match"]
-    assert report["resident"]["hit_rate"] == 1.0  # every expert resident after warm-up
-    assert report["streaming"]["resident_fraction"] == 0.25
-    assert report["streaming"]["misses_per_job"][0] > 0
-    for key in ("vs_mlx_lm", "ipc_wait_ms_per_layer", "copy_ms_per_layer"):
-        assert key in report["resident"]
-    roofline = report["streaming"]["roofline"]
-    for key in ("t_compute_resident_s", "miss_bytes_per_token", "disk_MBps", "roofline_tok_s", "ratio"):
+    assert report["expected_tokens"] == len(report["tokens"]) > 0
+    model = report["model"]
+    assert model["sparse_layers"] == 2 and model["experts_per_layer"] == 8 and model["top_k"] == 2
+    assert model["scale_dtypes"] == ["F32"] and model["expert_bytes"] > 0
+    resident, streaming = report["resident"], report["streaming"]
+    assert resident["hit_rate"] == 1.0 and resident["misses_per_job"] == [0]  # every expert resident
+    assert resident["slots_per_layer"] == 8 and streaming["slots_per_layer"] == 2
+    assert streaming["resident_fraction"] == 0.25 and streaming["misses_per_job"][0] > 0
+    for part in (resident, streaming):
+        for key in ("decode_tok_s", "ipc_wait_ms_per_layer", "copy_ms_per_layer", "end_step_fence_ms_per_token",
+                    "copied_MB_per_token"):  # fmt: skip
+            assert part[key] > 0, key
+        assert set(part["per_layer"]) == {"0", "1"}
+        assert part["jobs"][0]["warmup"] and not part["jobs"][1]["warmup"]
+    assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0
+    roofline = streaming["roofline"]
+    for key in ("t_compute_resident_s", "t_compute_mlx_lm_s", "miss_bytes_per_token", "disk_MBps", "roofline_tok_s",
+                "ratio", "roofline_tok_s_mlx_lm", "ratio_mlx_lm"):  # fmt: skip
         assert roofline[key] > 0, key
-    assert report["mlx_lm"]["decode_tok_s"] > 0
+    disk = report["disk"]
+    assert disk["MBps"] > 0 and disk["single_expert_ms"] > 0 and disk["batch"] >= 1
+    assert report["mlx_lm"]["decode_tok_s"] > 0 and report["mlx_lm"]["moe_layer_ms"] > 0
+    assert report["memory"]["machine_peak_used_bytes"] > 0
