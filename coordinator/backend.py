@@ -245,6 +245,7 @@ class IOWorkerBackend:
         self._next = 0
         self._started = False  # every expected worker was ready once
         self._closed = False
+        self._stopping = False  # shutdown_workers() was called: exits are expected, not losses
 
     # ------------------------------------------------------------ lifecycle
 
@@ -272,7 +273,8 @@ class IOWorkerBackend:
         self._started = True
 
     def shutdown_workers(self) -> None:
-        """Ask every connected worker to exit (non-blocking)."""
+        """Ask every connected worker to exit (non-blocking); their exits are no longer losses."""
+        self._stopping = True
         for worker in self._workers.values():
             if not worker.lost:
                 self._send(worker, Shutdown(), required=False)
@@ -477,6 +479,10 @@ class IOWorkerBackend:
         With no live worker they wait for a restarted one, or fail (`worker_lost`)."""
         worker = self._workers.get(index)
         if worker is None or worker.lost:
+            return
+        if self._stopping and not worker.outstanding:  # it did what shutdown_workers() asked
+            worker.lost = True
+            logger.info("I/O worker %d (pid %d) exited after shutdown", index, worker.pid)
             return
         worker.lost = True
         self._counts["workers_lost"] += 1

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment
-from native import STATUS_SHORT_READ, BypassFile, ReadPool, advise_willneed
+from native import STATUS_SHORT_READ, BypassFile, ReadPool, StagingStats, advise_willneed
+from native.staging import StagingBuffer, StagingChoice, StagingRequest, choose_staging
 from shared.io_messages import HintStatus, Load, Loaded
 from shared.protocol import BAD_REQUEST, INTERNAL
 from shared.slab import Slab
@@ -67,6 +68,14 @@ def check_segments(
             )
 
 
+def staging_for(files: Sequence[BypassFile], *, largest_read: int, requested: StagingRequest) -> StagingChoice:
+    """Staging for the files this worker reads with O_DIRECT (none: nothing to stage)."""
+    direct = [file.path for file in files if file.mode == "direct"]
+    if not direct:
+        return StagingChoice(False, "no file is read with O_DIRECT")
+    return choose_staging(direct, largest_read=largest_read, requested=requested)
+
+
 @dataclass(slots=True)
 class _Job:
     load: Load
@@ -98,6 +107,7 @@ class LoadEngine:
         block_size: int,
         queue_depth: int,
         notify: Callable[[], None],
+        staging: StagingChoice | None = None,
         delay_s: float = 0.0,
     ) -> None:
         self._files = tuple(files)
@@ -110,7 +120,22 @@ class LoadEngine:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done: deque[Loaded] = deque()
         self.counters = LoadCounters()
-        self._pool = ReadPool(threads=queue_depth)
+        self._last_staging = StagingStats(False, 0, 0, 0, 0, 0.0)
+        self.staging = staging or StagingChoice(False, "not configured")
+        self.staging_buffer = (
+            StagingBuffer(threads=queue_depth, stride=self.staging.stride) if self.staging.enabled else None
+        )
+        self._pool: ReadPool | None = ReadPool(
+            threads=queue_depth, staging=self.staging_buffer, stage_above=self.staging.stage_above
+        )
+        buffer = self.staging_buffer
+        if buffer is None:
+            logger.info("staging off: %s", self.staging.reason)
+        else:
+            logger.info("staging on: %s; %d x %d bytes, %d on huge pages", self.staging.reason, buffer.threads,
+                        buffer.stride, buffer.huge_bytes)  # fmt: skip
+            if buffer.huge_bytes < buffer.size:  # e.g. no free huge page: staged reads may still split
+                logger.warning("staging buffers got %d of %d bytes on huge pages", buffer.huge_bytes, buffer.size)
         self._threads = [
             threading.Thread(target=self._reader, name=f"reader-{i}", daemon=True) for i in range(queue_depth)
         ]
@@ -152,6 +177,10 @@ class LoadEngine:
             self._done.clear()
         return done
 
+    def staging_stats(self) -> StagingStats:
+        pool = self._pool
+        return pool.staging_stats() if pool is not None else self._last_staging
+
     def depth(self) -> tuple[int, int]:
         """(queued, in flight) loads."""
         with self._lock:
@@ -173,7 +202,12 @@ class LoadEngine:
             self._queue.put(None)
         for thread in self._threads:
             thread.join()
-        self._pool.close()
+        if self._pool is not None:
+            self._pool.close()
+            self._last_staging = self._pool.staging_stats()
+            self._pool = None  # the native pool holds the staging buffer until it is freed
+        if self.staging_buffer is not None:
+            self.staging_buffer.close()
         replies = [
             Loaded(slot=load.slot, generation=load.generation, ok=False, error=CANCELLED, code=CANCELLED)
             for load in cancelled
@@ -214,8 +248,10 @@ class LoadEngine:
         started = time.monotonic()
         ops = [self._files[s.file].op(s.offset, s.length, s.destination) for s in load.segments]
         view = self._slab.slot_view(load.slot)
+        pool = self._pool
+        assert pool is not None, "reader threads stop before the pool closes"
         try:
-            results = self._pool.read(view, ops, block_size=self._block_size)
+            results = pool.read(view, ops, block_size=self._block_size)
         except ValueError as error:  # alignment or overlap refused before any read
             return Loaded(slot=load.slot, generation=load.generation, ok=False,
                           error=f"segment layout refused (op i is segment i): {error}", code=BAD_REQUEST)

@@ -23,6 +23,7 @@ from pathlib import Path
 import zmq
 
 from native import DEFAULT_BLOCK_SIZE, BypassFile, OpenMode, check_block_size
+from native.staging import STAGING_REQUESTS, StagingRequest
 from shared.io_messages import (
     WORKER_COMMANDS,
     Cancel,
@@ -50,7 +51,7 @@ from shared.protocol import (
 )
 from shared.slab import Slab
 
-from ioworker.engine import HintQueue, LoadEngine, LoadRefused
+from ioworker.engine import HintQueue, LoadEngine, LoadRefused, staging_for
 
 logger = logging.getLogger("ioworker")
 
@@ -69,6 +70,7 @@ class WorkerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     queue_depth: int = 8
     io_mode: OpenMode = "auto"
+    staging: StagingRequest = "auto"
     hint_queue: int = 256
     death_fd: int | None = None
     handshake_timeout: float = 10.0
@@ -97,7 +99,7 @@ def worker_arguments(config: WorkerConfig) -> list[str]:
         "--index", str(config.index), "--endpoint", config.endpoint, "--manifest", config.manifest,
         "--slab-name", config.slab_name, "--total-slots", str(config.total_slots),
         "--slot-bytes", str(config.slot_bytes), "--block-size", str(config.block_size),
-        "--queue-depth", str(config.queue_depth), "--io-mode", config.io_mode,
+        "--queue-depth", str(config.queue_depth), "--io-mode", config.io_mode, "--staging", config.staging,
         "--hint-queue", str(config.hint_queue), "--handshake-timeout", str(config.handshake_timeout),
         "--log-level", config.log_level,
     ]  # fmt: skip
@@ -119,6 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerConfig:
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--queue-depth", type=int, default=8, help="concurrent reads")
     parser.add_argument("--io-mode", choices=["auto", "direct", "dontneed", "buffered"], default="auto")
+    parser.add_argument("--staging", choices=list(STAGING_REQUESTS), default="auto",
+                        help="direct reads through huge-page buffers (native/staging.py)")
     parser.add_argument("--hint-queue", type=int, default=256, help="hint messages queued before drops")
     parser.add_argument("--death-fd", type=int, default=None, help="read end of the parent's death pipe")
     parser.add_argument("--handshake-timeout", type=float, default=10.0)
@@ -277,6 +281,7 @@ class _Server:
     def telemetry(self) -> WorkerTelemetry:
         counters = self.engine.counters
         queued, in_flight = self.engine.depth()
+        staging, buffer = self.engine.staging_stats(), self.engine.staging_buffer
         return WorkerTelemetry(
             index=self.config.index, pid=os.getpid(), loads=counters.loads, loads_failed=counters.loads_failed,
             cancelled=counters.cancelled, cancel_misses=counters.cancel_misses, bytes=counters.bytes,
@@ -284,7 +289,9 @@ class _Server:
             queued=queued, in_flight=in_flight, bad_commands=self.bad_commands, files=len(self.files),
             bypass_files=sum(f.mode in ("direct", "nocache") for f in self.files),
             fallback_files=sum(f.fell_back for f in self.files), fallback_ops=counters.fallback_ops,
-            hints=self.hints.status(),
+            hints=self.hints.status(), staging=staging.enabled, staging_reason=self.engine.staging.reason,
+            staging_bytes=buffer.size if buffer else 0, staging_huge_bytes=buffer.huge_bytes if buffer else 0,
+            staged_reads=staging.staged_reads, staged_bytes=staging.staged_bytes, staging_copy_ms=staging.copy_ms,
         )  # fmt: skip
 
 
@@ -325,9 +332,10 @@ def run_io_worker(config: WorkerConfig) -> int:
         for file in files:
             if file.fell_back:
                 logger.warning("%s: the filesystem refused O_DIRECT; reading %s", file.path, file.mode)
+        staging = staging_for(files, largest_read=config.slot_bytes, requested=config.staging)
         engine = LoadEngine(files=files, slab=slab, block_size=config.block_size,
                             queue_depth=config.queue_depth, notify=lambda: _poke(notify_w),
-                            delay_s=config.test_read_delay_ms / 1e3)  # fmt: skip
+                            staging=staging, delay_s=config.test_read_delay_ms / 1e3)  # fmt: skip
         hints = HintQueue(files=files, capacity=config.hint_queue, notify=lambda: _poke(notify_w))
         server = _Server(sock, config, files, engine, hints)
         sock.send(encode(Ready(index=config.index, pid=os.getpid(), block_size=config.block_size,

@@ -26,6 +26,7 @@ from coordinator.residency_plan import require_int
 from ioworker.main import WorkerConfig
 from ioworker.spawn import WorkerProcess, spawn_io_worker, stop_workers, wait_for_exit
 from native import DEFAULT_BLOCK_SIZE, OpenMode
+from native.staging import StagingRequest
 from shared.slab import Slab
 
 
@@ -38,12 +39,13 @@ class IOWorkerPool:
 
     def __init__(self, *, slab: Slab, manifest: Sequence[str | os.PathLike[str]], workers: int = 2,
                  queue_depth: int = 8, block_size: int = DEFAULT_BLOCK_SIZE, io_mode: OpenMode = "auto",
+                 staging: StagingRequest = "auto",
                  hint_queue: int = 256, hint_capacity: int = 64, start_timeout: float = 30.0,
                  log_level: str = "INFO", test_read_delay_ms: float = 0.0) -> None:  # fmt: skip
         self.slab = slab
         self.manifest = tuple(os.path.abspath(os.fspath(path)) for path in manifest)
         self.workers = require_int(workers, "workers", minimum=1)
-        self._options = dict(queue_depth=queue_depth, block_size=block_size, io_mode=io_mode,
+        self._options = dict(queue_depth=queue_depth, block_size=block_size, io_mode=io_mode, staging=staging,
                              hint_queue=hint_queue, log_level=log_level,
                              test_read_delay_ms=test_read_delay_ms)  # fmt: skip
         self._hint_capacity = hint_capacity

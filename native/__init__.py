@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from native import _bypassio
+from native.staging import StagingBuffer
 
 DEFAULT_BLOCK_SIZE = 4096
 MIN_BLOCK_SIZE: int = _bypassio.MIN_BLOCK
@@ -186,16 +187,41 @@ class BypassFile:
         return f"BypassFile({self.path!r}, mode={self.mode!r}, fd={self.fd})"
 
 
+@dataclass(frozen=True, slots=True)
+class StagingStats:
+    """What staging did so far: reads and bytes that went through it, copy time."""
+
+    enabled: bool
+    stride: int
+    stage_above: int
+    staged_reads: int
+    staged_bytes: int
+    copy_ms: float
+
+
 class ReadPool:
     """A native pthread pool of `threads` readers; `read` may be called from many
-    Python threads at once, and at most `threads` reads run at any moment."""
+    Python threads at once, and at most `threads` reads run at any moment.
 
-    def __init__(self, *, threads: int = 4) -> None:
-        self._pool = _bypassio.Pool(threads)
+    With `staging` (a `native.staging.StagingBuffer` of `threads` strides),
+    direct reads longer than `stage_above` bytes go through the reader thread's
+    stride and are copied into place (see native/staging.py for why)."""
+
+    def __init__(self, *, threads: int = 4, staging: StagingBuffer | None = None, stage_above: int = 0) -> None:
+        if staging is None:
+            self._pool = _bypassio.Pool(threads)
+        else:
+            if staging.threads < threads:
+                raise ValueError(f"staging holds {staging.threads} strides for {threads} threads")
+            self._pool = _bypassio.Pool(threads, staging.view, staging.stride, stage_above)
 
     @property
     def threads(self) -> int:
         return self._pool.threads
+
+    def staging_stats(self) -> StagingStats:
+        enabled, stride, above, reads, staged, copy_ns = self._pool.staging
+        return StagingStats(bool(enabled), stride, above, reads, staged, copy_ns / 1e6)
 
     @property
     def closed(self) -> bool:
@@ -262,6 +288,7 @@ __all__ = [
     "ReadOp",
     "ReadPool",
     "ReadResult",
+    "StagingStats",
     "advise_dontneed",
     "advise_willneed",
     "block_sizes",

@@ -10,6 +10,16 @@
  *              returns (status, delivered, transferred, service_ns) per read.
  * advise()     WILLNEED / DONTNEED readahead advice (F_RDADVISE on macOS).
  *
+ * Staging: a Pool may be given one staging buffer per thread (the caller
+ * backs it with huge pages). A direct read longer than `stage_above` bytes
+ * then lands in the thread's staging buffer and is copied to its place. Why:
+ * the kernel builds one DMA segment per physically contiguous run of the
+ * destination, a device caps segments per request (max_segments), and a
+ * shared-memory slab on 4 KiB pages therefore splits a multi-MiB read into
+ * several requests; a disk that serves requests one after another (virtio
+ * behind a VMM) is faster with one large request. Counters say how many
+ * reads and bytes were staged and how long the copies took.
+ *
  * Alignment contract (checked in every mode, so a layout that works buffered
  * also works direct): the region address is a multiple of the block size,
  * region_offset is congruent to file_offset modulo the block size, and the
@@ -264,6 +274,7 @@ typedef struct op {
     int64_t block, offset, length, dest;
     int fd, mode, status;
     int64_t delivered, transferred, ns;
+    int64_t staged, copy_ns; /* bytes that went through staging, time spent copying them */
     /* rounded range in region coordinates, for validation */
     int64_t astart, aend;
 } op_t;
@@ -273,18 +284,31 @@ typedef struct batch {
     pthread_cond_t done;
 } batch_t;
 
+struct pool_object;
+
 typedef struct {
+    struct pool_object *pool;
+    char *stage; /* this thread's staging buffer, NULL without staging */
+} worker_t;
+
+typedef struct pool_object {
     PyObject_HEAD
     pthread_mutex_t mu;
     pthread_cond_t work;
     op_t *head, *tail;
     pthread_t *threads;
+    worker_t *workers;
     int nthreads;
     int closing;
     int joined;
+    Py_buffer staging; /* held for the pool's life when staging is on */
+    int has_staging;
+    int64_t stage_stride, stage_above;
+    /* guarded by mu */
+    int64_t staged_ops, staged_bytes, copy_ns;
 } PoolObject;
 
-static void run_op(op_t *op) {
+static void run_op(op_t *op, char *stage, int64_t stride, int64_t stage_above) {
     int64_t started = now_ns();
     int64_t block = op->block;
     int aligned = op->mode == MODE_DIRECT;
@@ -293,15 +317,17 @@ static void run_op(op_t *op) {
     int64_t end = aligned ? round_up(want_end, block) : want_end;
     /* Region address that corresponds to file position `start`. */
     char *base = op->region + (op->dest - (op->offset - start));
-    int64_t pos = start, transferred = 0;
+    int64_t pos = start, transferred = 0, staged = 0, copy_ns = 0;
     int status = 0;
+    int staging = stage != NULL && aligned && end - start > stage_above;
+    int64_t limit = staging ? stride : MAX_CHUNK;
     while (pos < want_end) {
         /* O_DIRECT needs every read to start on a block boundary, so after a
          * short read we re-read from the block that holds `pos`. */
         int64_t from = aligned ? round_down(pos, block) : pos;
         int64_t count = end - from;
-        if (count > MAX_CHUNK) count = MAX_CHUNK;
-        ssize_t n = pread(op->fd, base + (from - start), (size_t)count, (off_t)from);
+        if (count > limit) count = limit;
+        ssize_t n = pread(op->fd, staging ? stage : base + (from - start), (size_t)count, (off_t)from);
         if (n < 0) {
             if (errno == EINTR) continue;
             status = errno;
@@ -310,6 +336,13 @@ static void run_op(op_t *op) {
         if (n == 0 || from + n <= pos) {
             status = STATUS_SHORT_READ;
             break;
+        }
+        if (staging) {
+            /* The same bytes a direct read would have written, slack included. */
+            int64_t copy_started = now_ns();
+            memcpy(base + (from - start), stage, (size_t)n);
+            copy_ns += now_ns() - copy_started;
+            staged += n;
         }
         transferred += n;
         pos = from + n;
@@ -326,11 +359,14 @@ static void run_op(op_t *op) {
     op->delivered = status == 0 ? op->length : (got < 0 ? 0 : (got > op->length ? op->length : got));
     op->status = status;
     op->transferred = transferred;
+    op->staged = staged;
+    op->copy_ns = copy_ns;
     op->ns = now_ns() - started;
 }
 
 static void *pool_main(void *arg) {
-    PoolObject *pool = (PoolObject *)arg;
+    worker_t *worker = (worker_t *)arg;
+    PoolObject *pool = worker->pool;
     pthread_mutex_lock(&pool->mu);
     for (;;) {
         while (pool->head == NULL && !pool->closing) pthread_cond_wait(&pool->work, &pool->mu);
@@ -339,8 +375,13 @@ static void *pool_main(void *arg) {
         pool->head = op->next;
         if (pool->head == NULL) pool->tail = NULL;
         pthread_mutex_unlock(&pool->mu);
-        run_op(op);
+        run_op(op, worker->stage, pool->stage_stride, pool->stage_above);
         pthread_mutex_lock(&pool->mu);
+        if (op->staged > 0) {
+            pool->staged_ops++;
+            pool->staged_bytes += op->staged;
+            pool->copy_ns += op->copy_ns;
+        }
         batch_t *batch = op->batch; /* op may be freed once remaining hits 0 */
         if (--batch->remaining == 0) pthread_cond_signal(&batch->done);
     }
@@ -360,10 +401,39 @@ static void pool_shutdown(PoolObject *pool) {
     pool->joined = 1;
 }
 
+/* Take the staging buffer: `threads` strides of `stride` bytes, each aligned
+ * for O_DIRECT at MAX_BLOCK. */
+static int take_staging(PoolObject *self, PyObject *staging, int threads, long long stride, long long above) {
+    if (stride < MAX_BLOCK || stride % MAX_BLOCK != 0 || stride > MAX_CHUNK) {
+        PyErr_Format(PyExc_ValueError, "stage_stride must be a positive multiple of %d up to %lld, got %lld",
+                     MAX_BLOCK, (long long)MAX_CHUNK, stride);
+        return -1;
+    }
+    if (above < 0) {
+        PyErr_Format(PyExc_ValueError, "stage_above must be >= 0, got %lld", above);
+        return -1;
+    }
+    if (PyObject_GetBuffer(staging, &self->staging, PyBUF_WRITABLE) != 0) return -1;
+    if ((uintptr_t)self->staging.buf % MAX_BLOCK != 0 || self->staging.len < (Py_ssize_t)threads * stride) {
+        PyErr_Format(PyExc_ValueError,
+                     "staging must be %d-byte aligned and hold %d x %lld bytes, got %zd bytes at %p", MAX_BLOCK,
+                     threads, stride, self->staging.len, self->staging.buf);
+        PyBuffer_Release(&self->staging);
+        return -1;
+    }
+    self->has_staging = 1;
+    self->stage_stride = stride;
+    self->stage_above = above;
+    return 0;
+}
+
 static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"threads", NULL};
+    static char *kwlist[] = {"threads", "staging", "stage_stride", "stage_above", NULL};
     int threads = 4;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|i", kwlist, &threads)) return -1;
+    PyObject *staging = Py_None;
+    long long stride = 0, above = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOLL", kwlist, &threads, &staging, &stride, &above))
+        return -1;
     if (self->threads != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Pool is already initialised");
         return -1;
@@ -372,10 +442,22 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_Format(PyExc_ValueError, "threads must be in [1, 1024], got %d", threads);
         return -1;
     }
+    if (staging != Py_None && take_staging(self, staging, threads, stride, above) != 0) return -1;
     self->threads = calloc((size_t)threads, sizeof(pthread_t));
-    if (self->threads == NULL) {
+    self->workers = calloc((size_t)threads, sizeof(worker_t));
+    if (self->threads == NULL || self->workers == NULL) {
+        free(self->threads);
+        free(self->workers);
+        self->threads = NULL;
+        self->workers = NULL;
+        if (self->has_staging) PyBuffer_Release(&self->staging);
+        self->has_staging = 0;
         PyErr_NoMemory();
         return -1;
+    }
+    for (int i = 0; i < threads; i++) {
+        self->workers[i].pool = self;
+        self->workers[i].stage = self->has_staging ? (char *)self->staging.buf + (int64_t)i * stride : NULL;
     }
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->work, NULL);
@@ -386,7 +468,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwargs) {
     pthread_sigmask(SIG_BLOCK, &all, &previous);
     int error = 0;
     for (int i = 0; i < threads; i++) {
-        error = pthread_create(&self->threads[i], NULL, pool_main, self);
+        error = pthread_create(&self->threads[i], NULL, pool_main, &self->workers[i]);
         if (error != 0) break;
         self->nthreads = i + 1;
     }
@@ -406,7 +488,10 @@ static void Pool_dealloc(PoolObject *self) {
         pthread_cond_destroy(&self->work);
         pthread_mutex_destroy(&self->mu);
         free(self->threads);
+        free(self->workers);
     }
+    /* After the join: no thread reads the staging buffer any more. */
+    if (self->has_staging) PyBuffer_Release(&self->staging);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -641,7 +726,22 @@ static PyMethodDef Pool_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *Pool_get_staging(PoolObject *self, void *closure) {
+    (void)closure;
+    pthread_mutex_t *mu = &self->mu;
+    long long ops = 0, bytes = 0, ns = 0;
+    if (self->threads != NULL) {
+        pthread_mutex_lock(mu);
+        ops = self->staged_ops, bytes = self->staged_bytes, ns = self->copy_ns;
+        pthread_mutex_unlock(mu);
+    }
+    return Py_BuildValue("(iLLLLL)", self->has_staging, (long long)self->stage_stride,
+                         (long long)self->stage_above, ops, bytes, ns);
+}
+
 static PyGetSetDef Pool_getset[] = {
+    {"staging", (getter)Pool_get_staging, NULL,
+     "(enabled, stage_stride, stage_above, staged_ops, staged_bytes, copy_ns)", NULL},
     {"threads", (getter)Pool_get_threads, NULL, "number of pool threads", NULL},
     {"closed", (getter)Pool_get_closed, NULL, "whether close() was called", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -651,7 +751,9 @@ static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native._bypassio.Pool",
     .tp_basicsize = sizeof(PoolObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Pool(threads=4): persistent pthread pool for batched positional reads.",
+    .tp_doc = "Pool(threads=4, staging=None, stage_stride=0, stage_above=0): persistent pthread pool for\n"
+              "batched positional reads; with `staging` (threads x stage_stride writable bytes) direct reads\n"
+              "longer than stage_above go through the thread's staging stride and are copied into place.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Pool_init,
     .tp_dealloc = (destructor)Pool_dealloc,

@@ -14,6 +14,11 @@ second time and the later measurements gain: `--order` sets the order, and
 `--disjoint` gives each method its own third of the file. With --model DIR it loads random experts of that model instead
 (via shared.store.ExpertStore), and fio reads the largest manifest file.
 With --json the last line is one JSON object.
+
+The workers' staging (native/staging.py: direct reads through huge-page
+buffers, one device request per read where the slab's 4 KiB pages would split
+it) follows `--staging`, `auto` by default; the summary says whether it ran and
+what it copied, so a run with `--staging off` shows what it is worth.
 """
 
 from __future__ import annotations
@@ -110,13 +115,13 @@ def model_loads(model: str, count: int, seed: int) -> tuple[list[str], int, list
 
 
 async def bench_workers(manifest: list[str], slot_bytes: int, loads: list[tuple[ExpertIOSegment, ...]],
-                        *, workers: int, queue_depth: int, io_mode: str) -> dict:  # fmt: skip
+                        *, workers: int, queue_depth: int, io_mode: str, staging: str) -> dict:  # fmt: skip
     """Pipelined loads: every slot busy, so workers x depth reads are outstanding."""
     slots = min(len(loads), max(2 * workers * queue_depth, 4))
     service, latency = [], []
     with Slab.create(total_slots=slots, slot_bytes=slot_bytes, prefault=True) as slab:
         async with IOWorkerPool(slab=slab, manifest=manifest, workers=workers, queue_depth=queue_depth,
-                                io_mode=io_mode, log_level="WARNING") as pool:  # type: ignore[arg-type]  # fmt: skip
+                                io_mode=io_mode, staging=staging, log_level="WARNING") as pool:  # type: ignore[arg-type]  # fmt: skip
             backend = pool.backend
             modes = sorted({m for per_worker in backend.worker_modes().values() for m in per_worker})
 
@@ -150,9 +155,18 @@ async def bench_workers(manifest: list[str], slot_bytes: int, loads: list[tuple[
                 backend.discard(slot, gen)
                 free.append(slot)
             elapsed = time.perf_counter() - started
+            telemetry = await backend.request_telemetry(timeout=5.0)
+            if len(telemetry) != workers:
+                raise RuntimeError(f"telemetry from {len(telemetry)} of {workers} workers")
+    staged = dict(
+        staging=all(t.staging for t in telemetry), staging_reason=telemetry[0].staging_reason,
+        staged_bytes=sum(t.staged_bytes for t in telemetry), staging_copy_ms=sum(t.staging_copy_ms for t in telemetry),
+        staging_bytes=sum(t.staging_bytes for t in telemetry),
+        staging_huge_bytes=sum(t.staging_huge_bytes for t in telemetry),
+    )  # fmt: skip
     svc, lat = summarize_expert_latencies(service), summarize_expert_latencies(latency)
     return dict(MBps=total / elapsed / MB, seconds=elapsed, bytes=total, p50_ms=svc.p50_ms, p99_ms=svc.p99_ms,
-                latency_p50_ms=lat.p50_ms, latency_p99_ms=lat.p99_ms, io_modes=modes, slots=slots)  # fmt: skip
+                latency_p50_ms=lat.p50_ms, latency_p99_ms=lat.p99_ms, io_modes=modes, slots=slots, **staged)  # fmt: skip
 
 
 def bench_python(manifest: list[str], loads: list[tuple[ExpertIOSegment, ...]], threads: int) -> dict:
@@ -221,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue-depth", type=int, default=8, help="concurrent reads per worker")
     parser.add_argument("--model", help="model directory: load its experts instead of raw blocks")
     parser.add_argument("--io-mode", default="auto", choices=["auto", "direct", "dontneed", "buffered"])
+    parser.add_argument("--staging", default="auto", choices=["auto", "on", "off"],
+                        help="workers' direct reads through huge-page buffers (native/staging.py)")
     parser.add_argument("--fio-engine", default="libaio", choices=["libaio", "psync", "io_uring"])
     parser.add_argument("--skip-python", action="store_true")
     parser.add_argument("--seed", type=int, default=None)
@@ -263,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         if method == "workers":
             drop_cache(manifest)
             measured = bench_workers(manifest, slot_bytes, loads, workers=args.workers,
-                                     queue_depth=args.queue_depth, io_mode=args.io_mode)  # fmt: skip
+                                     queue_depth=args.queue_depth, io_mode=args.io_mode,
+                                     staging=args.staging)  # fmt: skip
             results["workers"] = asyncio.run(measured)
         elif method == "python" and not args.skip_python:
             results["python"] = bench_python(manifest, python_loads, args.workers * args.queue_depth)
@@ -276,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{len(loads)} loads of {workers['bytes'] / len(loads) / 2**20:.2f} MiB, {args.workers} workers x "
           f"depth {args.queue_depth}, modes {','.join(workers['io_modes'])}")  # fmt: skip
+    if workers["staging"]:
+        print(f"  staging : on ({workers['staging_reason']}); {workers['staged_bytes'] / MB:.0f} MB copied in "
+              f"{workers['staging_copy_ms']:.0f} ms, buffers {workers['staging_bytes'] / 2**20:.0f} MiB "
+              f"({workers['staging_huge_bytes'] / 2**20:.0f} MiB huge pages)")  # fmt: skip
+    else:
+        print(f"  staging : off ({workers['staging_reason']})")
     print(f"  workers : {workers['MBps']:8.1f} MB/s  service p50 {workers['p50_ms']:.2f} ms  p99 "
           f"{workers['p99_ms']:.2f} ms  (submit-to-done p50 {workers['latency_p50_ms']:.2f} ms)")  # fmt: skip
     if python:
@@ -298,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             block_size=fio_block, bytes=workers["bytes"], count=len(loads), workers=args.workers,
             queue_depth=args.queue_depth, io_modes=workers["io_modes"], fio_engine=args.fio_engine,
             fio_file=fio_file, seed=seed, model=args.model, order=args.order, align=args.align,
-            disjoint=args.disjoint,
+            disjoint=args.disjoint, staging=workers["staging"], staging_reason=workers["staging_reason"],
+            staged_bytes=workers["staged_bytes"], staging_copy_ms=workers["staging_copy_ms"],
         )  # fmt: skip
         print(json.dumps(summary))
     return 0

@@ -180,6 +180,13 @@ class WorkerTelemetry:
     fallback_files: int = 0  # bypass asked for, refused by the filesystem
     fallback_ops: int = 0  # reads served buffered + DONTNEED because of a fallback
     hints: HintStatus = HintStatus()
+    staging: bool = False  # direct reads through huge-page buffers (native/staging.py)
+    staging_reason: str = ""
+    staging_bytes: int = 0  # memory of the staging buffers
+    staging_huge_bytes: int = 0  # of which the kernel put on huge pages
+    staged_reads: int = 0
+    staged_bytes: int = 0
+    staging_copy_ms: float = 0.0
 
 
 WORKER_COMMANDS = make_registry(Welcome, Load, Cancel, Hint, TelemetryRequest, Shutdown)

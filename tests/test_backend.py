@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.backend import (
+    WATCH_INTERVAL_S,
     BackendStateError,
     ExpertLoadError,
     IOWorkerBackend,
@@ -173,6 +174,23 @@ def test_a_lost_worker_fails_its_loads(tmp_path):
                     pool.backend.submit_segments(1, 2, (ExpertIOSegment(0, 0, 10, 0),))
 
     run(scenario())
+
+
+def test_workers_told_to_shut_down_are_not_reported_lost(tmp_path, caplog):
+    paths, _ = write_files(tmp_path, 1)
+
+    async def scenario() -> None:
+        with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
+            async with IOWorkerPool(slab=slab, manifest=paths, workers=2) as pool:
+                pool.backend.shutdown_workers()
+                for worker in pool.processes:
+                    await asyncio.to_thread(worker.process.wait, 10)
+                await asyncio.sleep(5 * WATCH_INTERVAL_S)  # the backend's watchdog has looked
+                assert pool.backend.telemetry().workers_lost == 0
+
+    with caplog.at_level("INFO", logger="coordinator.backend"):
+        run(scenario())
+    assert not [r for r in caplog.records if "lost" in r.getMessage()]
 
 
 def test_start_failure_reports_exit_code_and_stderr(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_io.py"
 
 
-@pytest.mark.parametrize("extra", [[], ["--disjoint", "--order", "fio,workers,python"]])
+@pytest.mark.parametrize("extra", [[], ["--disjoint", "--order", "fio,workers,python", "--staging", "on"]])
 def test_bench_io_smoke(tmp_path, extra):
     data = tmp_path / "bench.bin"
     result = subprocess.run(
@@ -29,3 +29,9 @@ def test_bench_io_smoke(tmp_path, extra):
     assert summary["fio_MBps"] is None or summary["fio_MBps"] > 0
     assert summary["bytes"] == 16 * 64 * 1024
     assert 0 < summary["p50_ms"] <= summary["p99_ms"]
+    if "--staging" in extra:  # forced on: every direct read of the workers went through it
+        assert summary["staging"] is True and summary["staging_reason"] == "staging on by request"
+        if summary["io_modes"] == ["direct"]:  # staging serves O_DIRECT reads only
+            assert summary["staged_bytes"] >= summary["bytes"] and summary["staging_copy_ms"] > 0
+    else:
+        assert isinstance(summary["staging"], bool) and summary["staging_reason"]

@@ -17,6 +17,7 @@ from ioworker.engine import HintQueue
 from ioworker.main import WorkerConfig, load_manifest, parse_args, worker_arguments
 from ioworker.spawn import spawn_io_worker
 from native import BypassFile
+from native.staging import choose_staging
 from shared.io_messages import (
     WORKER_REPLIES,
     Cancel,
@@ -163,6 +164,29 @@ def test_forced_fallback_is_reported(coordinator, files, slab):
     coord.send(TelemetryRequest())
     telemetry = coord.expect(WorkerTelemetry)
     assert telemetry.bypass_files == 0 and telemetry.read_ops == 1
+
+
+@pytest.mark.parametrize("staging", ["on", "off", "auto"])
+def test_staging_lands_the_same_bytes_and_telemetry_says_what_ran(coordinator, files, slab, staging):
+    coord = coordinator(staging=staging)
+    _, blobs = files
+    segments = (ExpertIOSegment(0, 12345, 40000, 12345 % 4096), ExpertIOSegment(1, 5, 100, 49152 + 5))
+    coord.send(Load(slot=1, generation=3, segments=segments))
+    assert coord.expect(Loaded).ok
+    base = slab.slot_offset(1)
+    for s in segments:
+        assert slab.buffer[base + s.destination : base + s.destination + s.length] == blobs[s.file][s.offset : s.offset + s.length]
+    coord.send(TelemetryRequest())
+    telemetry = coord.expect(WorkerTelemetry)
+    assert telemetry.staging_reason
+    expected = choose_staging([str(p) for p in files[0]], largest_read=SLOT, requested=staging)
+    assert telemetry.staging == expected.enabled and telemetry.staging_reason == expected.reason
+    if staging == "on":
+        assert telemetry.staging and telemetry.staged_reads == 2 and telemetry.staged_bytes == telemetry.read_bytes
+        assert telemetry.staging_bytes == 8 * (2 << 20)  # queue depth 8 x one 2 MiB stride for 64 KiB slots
+        assert telemetry.staging_copy_ms > 0
+    elif not expected.enabled:
+        assert not telemetry.staging and telemetry.staged_reads == 0 and telemetry.staging_bytes == 0
 
 
 @pytest.mark.parametrize(("frame", "code", "fragment"), [
@@ -313,7 +337,9 @@ def test_manifest_and_arguments_are_validated(tmp_path):
     with pytest.raises(ValueError, match="non-empty JSON array"):
         load_manifest(bad)
     config = WorkerConfig(index=2, endpoint="ipc:///x", manifest="/m.json", slab_name="/moeslab-0", total_slots=3,
-                          slot_bytes=SLOT, death_fd=7, test_read_delay_ms=5.0)  # fmt: skip
+                          slot_bytes=SLOT, death_fd=7, test_read_delay_ms=5.0, staging="off")  # fmt: skip
     assert parse_args(worker_arguments(config)) == config
     with pytest.raises(SystemExit):
         parse_args([*worker_arguments(config), "--block-size", "1000"])
+    with pytest.raises(SystemExit):
+        parse_args([*worker_arguments(config), "--staging", "always"])
