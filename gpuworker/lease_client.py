@@ -14,6 +14,12 @@ with the next layer's `Routes` (the visit's last wave, piggybacked), or at
 `end_step` after the forward pass (`next=False` -> `Fenced`), so that between
 tokens nothing is leased (the coordinator's safe point).
 
+On the copy path (CPU, CUDA) a decode wave is handed to the module in parts
+(`decode_parts`: 1, 2, 4, ... experts in rank order), each copied from its
+slots only when the module takes it, while the part before computes: of the
+wave's copy only part 0's stays on the critical path (`exposed_copy_ms`).
+Every part is copied before the wave's fence, like a whole wave.
+
 Waiting for replies (and for cancels, jobs and garbage arriving meanwhile)
 is `gpuworker.channel.Channel`'s.
 """
@@ -76,6 +82,7 @@ class LayerLeaseStats:
     experts: int = 0  # experts leased (unique per visit)
     hits: int = 0  # of which already resident (the coordinator's count)
     bytes_copied: int = 0
+    exposed_copy_ms: float = 0.0  # of copy_ms, what no compute overlapped (all but later decode parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +134,9 @@ class LeaseClient:
         # The copy path writes each leased slot once, straight into stacked arrays of this pool.
         # Decode waves (top-k experts) reuse one pooled set; larger (prefill) waves get fresh buffers.
         top_k = getattr(store, "top_k", None) or 8
-        self._stack_pool = StackBuffers(max_pooled=top_k) if self.wrap_path == COPY else None
+        # Sets alive at once: a decode wave's parts (at most log2(k) + 1) and a whole wave.
+        sets = top_k.bit_length() + 2
+        self._stack_pool = StackBuffers(max_pooled=top_k, max_sets=sets) if self.wrap_path == COPY else None
         self._pending: list[mx.array] = []  # outputs of detached waves that may still read the pool
         self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet
         self._stats = _Counters(wrap_path=self.wrap_path)
@@ -138,7 +147,7 @@ class LeaseClient:
 
     def stats(self) -> LeaseStats:
         s = self._stats
-        layers = tuple(LayerLeaseStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6])
+        layers = tuple(LayerLeaseStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3)
                        for (layer, phase), c in sorted(s.layers.items(), key=lambda item: (item[0][1], item[0][0])))
         return LeaseStats(s.round_trips, s.leases, s.wait_s * 1e3, s.bytes_copied, s.copy_s * 1e3, s.wrap_path,
                           layers)  # fmt: skip
@@ -176,10 +185,16 @@ class LeaseClient:
             except LeaseError:
                 self._settle(piggyback)
                 raise
-            first = self._admit(visit, 0, lease)
+            parts = decode_parts(waves[0]) if visit.stacked and routes.shape[0] == 1 and len(waves) == 1 else ()
+            # Parts are copied when the module takes them, each while the one before computes.
+            first = self._admit(visit, 0, lease, wrap=not parts)
         except BaseException:
             self._visit = None
             raise
+        if parts:
+            whole = lambda: self._wrap(layer, waves[0], lease)  # noqa: E731  (a module that takes it whole)
+            return [_make_wave(visit, 0, whole, parts=parts,
+                               take_part=lambda index: self._wrap_part(layer, parts[index], index, lease))]  # fmt: skip
         result = [_make_wave(visit, 0, first)]
         for index in range(1, len(waves)):
             result.append(_make_wave(visit, index, lambda index=index: self._load_next(visit, index)))
@@ -337,12 +352,13 @@ class LeaseClient:
         except LeaseError as error:
             logger.info("settling lease %d: %s", lease_id, error)
 
-    def _admit(self, visit: _Visit, index: int, lease: Lease) -> list[dict[str, mx.array]]:
-        """Check `lease` is wave `index` of `visit`, and wrap its slots; on failure fence it unread."""
+    def _admit(self, visit: _Visit, index: int, lease: Lease, *, wrap: bool = True):
+        """Check `lease` is wave `index` of `visit`, and wrap its slots (unless `wrap` is False:
+        the module takes them later); on failure fence it unread."""
         try:
             self._check(visit, index, lease)
             visit.leases[index] = lease
-            return self._wrap(visit.layer, visit.waves[index], lease)
+            return self._wrap(visit.layer, visit.waves[index], lease) if wrap else None
         except BaseException:
             # Nothing read the slots (or the copies are garbage now): give them back at once.
             # The module's error path then fences the wave as never leased (a no-op).
@@ -373,6 +389,27 @@ class LeaseClient:
         if len(set(lease.slots)) != len(lease.slots):
             raise LeaseError(f"{where}: a slot is leased twice: {list(lease.slots)}")
 
+    def _wrap_part(self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease) -> dict[str, mx.array]:
+        """Part `index` of a decode wave, stacked in the part's (rank) order into pool set `index`."""
+        slot_of = dict(zip(lease.experts, lease.slots))
+        if index == 0 and self._pending:  # the previous visit's outputs may still read these sets
+            mx.eval(*self._pending)
+            self._pending.clear()
+        assert self._stack_pool is not None
+        started = time.perf_counter()
+        tensors, wrap = stacked_slot_arrays(self.buffer, [slot_of[e] for e in expert_ids], self.slot_bytes,
+                                            [self.store.layout(layer, e) for e in expert_ids], self._stack_pool,
+                                            tag=index)  # fmt: skip
+        elapsed = time.perf_counter() - started
+        self._stats.wrap_path = wrap.path
+        self._stats.bytes_copied += wrap.bytes_copied
+        self._stats.copy_s += elapsed
+        self._bucket[3] += elapsed
+        self._bucket[6] += wrap.bytes_copied
+        if index == 0:  # later parts copy while the part before computes
+            self._bucket[7] += elapsed
+        return tensors
+
     def _wrap(self, layer: int, expert_ids: tuple[int, ...], lease: Lease):
         """The wave's tensors: stacked in ascending expert id (copy path: one copy, into the
         pool), or per expert in `expert_ids` order (zero copy: views of the slots)."""
@@ -400,6 +437,7 @@ class LeaseClient:
         self._stats.copy_s += elapsed
         self._bucket[3] += elapsed
         self._bucket[6] += copied
+        self._bucket[7] += elapsed
         return tensors
 
 
@@ -411,19 +449,34 @@ class _Counters:
     bytes_copied: int = 0
     copy_s: float = 0.0
     wrap_path: str = COPY
-    # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied]
+    # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied, exposed copy s]
     layers: dict[tuple[int, str], list] = field(default_factory=dict)
 
     def bucket(self, layer: int, phase: str) -> list:
         found = self.layers.get((layer, phase))
         if found is None:
-            found = self.layers[layer, phase] = [0, 0, 0.0, 0.0, 0, 0, 0]
+            found = self.layers[layer, phase] = [0, 0, 0.0, 0.0, 0, 0, 0, 0.0]
         return found
 
 
-def _make_wave(visit: _Visit, index: int, tensors) -> _Wave:
+def decode_parts(experts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """A decode wave's experts (rank order) in parts of 1, 2, 4, ... with the rest merged into
+    the last: copying part j+1 (twice part j) hides under part j's compute whenever an expert
+    computes in at least twice the time it copies; few parts, few extra kernel calls."""
+    experts, parts, start, size = tuple(experts), [], 0, 1
+    if len(experts) < 2:
+        return ()
+    while start < len(experts):
+        rest = len(experts) - start
+        take = rest if rest < 2 * size else size  # a remainder smaller than the next part joins
+        parts.append(experts[start : start + take])
+        start, size = start + take, size * 2
+    return tuple(parts)
+
+
+def _make_wave(visit: _Visit, index: int, tensors, *, parts=(), take_part=None) -> _Wave:
     # The copy path's stacked tensors never read the slab: detached (fenced while computing).
     wave = _Wave(visit.waves[index], tensors, lease=(visit.layer, index), stacked=visit.stacked,
-                 detached=visit.stacked)  # fmt: skip
+                 detached=visit.stacked, parts=parts, take_part=take_part)  # fmt: skip
     wave.visit, wave.index = visit, index
     return wave

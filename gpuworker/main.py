@@ -255,7 +255,7 @@ def _telemetry_json(generation, stats) -> str:
         "round_trips": stats.round_trips, "lease_wait_ms": round(stats.lease_wait_ms, 3),
         "copy_ms": round(stats.copy_ms, 3), "bytes_copied": stats.bytes_copied, "wrap_path": stats.wrap_path,
         "layers": [[s.layer, s.phase, s.visits, s.round_trips, round(s.wait_ms, 3), round(s.copy_ms, 3),
-                    s.experts, s.hits, s.bytes_copied] for s in stats.layers],
+                    s.experts, s.hits, s.bytes_copied, round(s.exposed_copy_ms, 3)] for s in stats.layers],
     }, separators=(",", ":"))  # fmt: skip
 
 

@@ -288,12 +288,14 @@ class StackBuffers:
     def pooled_bytes(self) -> int:
         return sum(raw.nbytes for buffers in self._sets.values() for raw, _ in buffers.values())
 
-    def get(self, n: int, layout: Sequence[SlotTensorLike]) -> dict[str, tuple[np.ndarray, mx.array]]:
-        """{name: (writable uint8 numpy view [n, nbytes], the MLX array [n, *shape])}."""
+    def get(self, n: int, layout: Sequence[SlotTensorLike], *, tag: int = -1) -> dict[str, tuple[np.ndarray, mx.array]]:
+        """{name: (writable uint8 numpy view [n, nbytes], the MLX array [n, *shape])}.
+
+        `tag` tells apart sets in use at the same time (the parts of one wave)."""
         if n > self._max_pooled:
             return {t.name: _stack_buffer(n, t) for t in layout}
         # Sorted: layers order the same tensors differently (by file offset).
-        key = (n, tuple(sorted((t.name, t.dtype, tuple(t.shape)) for t in layout)))
+        key = (tag, n, tuple(sorted((t.name, t.dtype, tuple(t.shape)) for t in layout)))
         found = self._sets.pop(key, None)
         if found is None:
             found = {t.name: _stack_buffer(n, t) for t in layout}
@@ -333,14 +335,17 @@ def stacked_slot_arrays(
     slot_bytes: int,
     layouts: Sequence[Sequence[SlotTensorLike]],
     pool: StackBuffers,
+    *,
+    tag: int = -1,
 ) -> tuple[dict[str, mx.array], WrapStats]:
     """The tensors of the experts in `slots` (in that order), stacked: `{name: [n, *shape]}`.
 
     One copy per tensor per expert, straight from the slot into MLX memory
     (`StackBuffers`); the copy path only (CPU, CUDA). Every layout must name
     the same tensors with the same dtypes and shapes (offsets may differ).
-    Arrays come from `pool` and are overwritten by its next use: the caller
-    must have evaluated and dropped everything that read them by then.
+    Arrays come from `pool` and are overwritten by its next use with the same
+    `tag`: the caller must have evaluated and dropped everything that read
+    them by then.
     """
     if len(slots) != len(layouts) or not slots:
         raise ValueError(f"{len(slots)} slots but {len(layouts)} layouts")
@@ -351,7 +356,7 @@ def stacked_slot_arrays(
         if sorted((t.name, t.dtype, tuple(t.shape)) for t in layout) != sorted(specs):
             raise ValueError("stacked slots must hold the same tensors (name, dtype, shape)")
     windows = [_slot_window(buffer, slot, slot_bytes) for slot in slots]
-    target = pool.get(len(slots), first)
+    target = pool.get(len(slots), first, tag=tag)
     for row, (window, layout) in enumerate(zip(windows, layouts)):
         for tensor in layout:
             target[tensor.name][0][row] = window[tensor.offset : tensor.offset + tensor.nbytes]

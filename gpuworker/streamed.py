@@ -15,6 +15,12 @@ data), asks an `ExpertProvider` for them, and for each leased wave:
 
 One wave (decode): the original call with the full, monotonically remapped
 indices, so the sort, the kernels and the result are mlx-lm's bit for bit.
+A decode wave may come in parts (consecutive ranks of its one route row, see
+`LeasedWave.parts`): each part is one call of the original module on its
+ranks, started (`mx.async_eval`) before the next part's tensors are taken, so
+a provider that copies slots copies part j+1 while part j computes; a
+decode row's (token, expert) products do not depend on the other ranks, so
+the parts' outputs put side by side are the single call's, bit for bit.
 Several waves (prefill larger than the working bank): each wave computes its
 (row, rank) consumers only, and the outputs are put back in place, so the
 family's `(y * scores).sum(-2)` runs unchanged on a `[..., k, hidden]` result.
@@ -91,9 +97,16 @@ class LeasedWave:
     (`mx.async_eval`) instead of waiting for it, and hands it over in
     `outputs` with the fence. The provider must not overwrite the tensors'
     memory (a reused buffer) before those outputs are evaluated.
+
+    `parts` with `take_part` (stacked, detached waves): the experts split into
+    consecutive groups, in route rank order, whose stacked tensors
+    `take_part(j)` produces one group at a time (in the group's order), so
+    the module can compute a group while the next one is produced. A module
+    uses either `take()` or every part, in order.
     """
 
-    __slots__ = ("expert_ids", "lease", "stacked", "detached", "outputs", "_tensors")
+    __slots__ = ("expert_ids", "lease", "stacked", "detached", "outputs", "parts", "_tensors", "_take_part",
+                 "_next_part")
 
     def __init__(
         self,
@@ -103,12 +116,22 @@ class LeasedWave:
         lease: object = None,
         stacked: bool = False,
         detached: bool = False,
+        parts: Sequence[Sequence[int]] = (),
+        take_part: Callable[[int], Mapping[str, mx.array]] | None = None,
     ) -> None:
         self.expert_ids: tuple[int, ...] = tuple(int(e) for e in expert_ids)
         self.lease = lease
         self.stacked = bool(stacked)
         self.detached = bool(detached)
         self.outputs: tuple[mx.array, ...] = ()  # a detached wave's outputs, possibly still computing
+        self.parts: tuple[tuple[int, ...], ...] = tuple(tuple(int(e) for e in part) for part in parts)
+        if self.parts:
+            if take_part is None or not (self.stacked and self.detached):
+                raise ValueError("parts need take_part and a stacked, detached wave")
+            if sorted(e for part in self.parts for e in part) != sorted(self.expert_ids):
+                raise ValueError(f"parts {self.parts} do not hold the wave's experts {self.expert_ids} once each")
+        self._take_part = take_part
+        self._next_part = 0
         if not callable(tensors):
             if self.stacked:
                 tensors = dict(tensors)  # type: ignore[arg-type]
@@ -125,9 +148,9 @@ class LeasedWave:
     def take(self) -> Any:
         """Hand the tensors over (once, loading them if lazy) and forget them: a tuple of
         per-expert mappings, or (stacked) one mapping of stacked arrays."""
-        source, self._tensors = self._tensors, None
-        if source is None:
+        if self._tensors is None or self._next_part:
             raise ExpertProviderError(f"wave {list(self.expert_ids)} was already taken")
+        source, self._tensors = self._tensors, None
         loaded = source() if callable(source) else source
         if self.stacked:
             if not isinstance(loaded, Mapping):
@@ -139,9 +162,25 @@ class LeasedWave:
             raise ExpertProviderError(f"wave {list(self.expert_ids)}: {len(tensors)} tensor sets")
         return tensors
 
+    def take_part(self, index: int) -> Mapping[str, mx.array]:
+        """Part `index`'s stacked tensors ({name: [len(part), ...]}, in the part's order); parts
+        are taken in order, and once they all are the wave counts as taken."""
+        if self._tensors is None or self._take_part is None or index != self._next_part:
+            raise ExpertProviderError(f"wave {list(self.expert_ids)}: part {index} taken out of order "
+                                      f"(next is {self._next_part}, taken={self.taken})")  # fmt: skip
+        self._next_part += 1
+        if self._next_part == len(self.parts):
+            self._tensors = None
+        got = self._take_part(index)
+        if not isinstance(got, Mapping):
+            raise ExpertProviderError(f"wave {list(self.expert_ids)} part {index}: tensors are "
+                                      f"{type(got).__name__}, not a mapping")  # fmt: skip
+        return got
+
     def discard(self) -> None:
         """Forget the tensors without loading them (error paths, empty waves)."""
         self._tensors = None
+        self._take_part = None
 
     def __repr__(self) -> str:
         return f"LeasedWave(experts={list(self.expert_ids)}, lease={self.lease!r}, taken={self.taken})"
@@ -280,6 +319,8 @@ class StreamedSwitch(nn.Module):
         the wave carries it in `outputs` for the provider, and the next
         layer's graph is built while it computes.
         """
+        if getattr(wave, "parts", ()) and ids.size == ids.shape[-1]:  # one route row (decode)
+            return self._run_parts(x, ids, wave, dtype)
         order, stacked = _stacked(wave, self.expert_params, self.layer)
         lookup = np.full(self.num_experts, -1, dtype=np.int64)
         lookup[order] = np.arange(len(order))
@@ -297,6 +338,35 @@ class StreamedSwitch(nn.Module):
         finally:
             self._clear()
         return y
+
+    def _run_parts(self, x: mx.array, ids: np.ndarray, wave: LeasedWave, dtype: mx.Dtype) -> mx.array:
+        """One decode row, part by part: each part's output starts computing before the next
+        part is taken; the outputs side by side are the whole call's (module docstring)."""
+        ranks = ids.reshape(-1).tolist()
+        if [e for part in wave.parts for e in part] != ranks:
+            raise ExpertProviderError(f"layer {self.layer}: wave parts {list(wave.parts)} are not the route's "
+                                      f"ranks {ranks} in order")  # fmt: skip
+        outputs = []
+        try:
+            for index, part in enumerate(wave.parts):
+                got = wave.take_part(index)
+                if set(got) != {param.name for param in self.expert_params}:
+                    raise ExpertProviderError(f"layer {self.layer} part {index}: tensors {sorted(got)}")
+                for param in self.expert_params:
+                    _check_array(got[param.name], (len(part), *param.shape), param.dtype,
+                                 f"layer {self.layer} part {index} {param.name}")  # fmt: skip
+                positions = mx.array(np.arange(len(part), dtype=np.int32).reshape(*ids.shape[:-1], len(part)))
+                self._install(got)
+                del got
+                try:
+                    y = self.switch(x, positions.astype(dtype))
+                finally:
+                    self._clear()
+                _evaluate_async(y)
+                outputs.append(y)
+        finally:
+            wave.outputs = tuple(outputs)  # the provider waits for these before reusing their buffers
+        return mx.concatenate(outputs, axis=-2)
 
     def _finish(self, wave: LeasedWave, fenced: list[LeasedWave]) -> None:
         fenced.append(wave)

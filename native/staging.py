@@ -115,12 +115,14 @@ def choose_staging(
     segment_bytes = min(segments for _, (segments, _) in limits) * PAGE  # type: ignore[misc]
     request_bytes = min(request for _, (_, request) in limits)  # type: ignore[misc]
     if segment_bytes >= min(request_bytes, largest_read):
-        return StagingChoice(False, f"reads of {largest_read} bytes are not split by the segment limit "
-                                    f"({segment_bytes} bytes of 4 KiB pages, requests up to {request_bytes})")  # fmt: skip
+        reason = (f"reads of {largest_read} bytes are not split by the segment limit ({segment_bytes} bytes of "
+                  f"4 KiB pages, requests up to {request_bytes})")  # fmt: skip
+        return StagingChoice(False, reason)
     stride = _round_up(min(largest_read + PAGE, request_bytes), HUGE_PAGE)
     return StagingChoice(
         True,
-        f"segment limit splits reads above {segment_bytes} bytes; the device takes requests up to {request_bytes}",
+        f"segment limit splits reads above {segment_bytes} bytes; the device takes requests up to "
+        f"{request_bytes}",
         stride,
         segment_bytes,
     )

@@ -121,7 +121,8 @@ async def bench_workers(manifest: list[str], slot_bytes: int, loads: list[tuple[
     service, latency = [], []
     with Slab.create(total_slots=slots, slot_bytes=slot_bytes, prefault=True) as slab:
         async with IOWorkerPool(slab=slab, manifest=manifest, workers=workers, queue_depth=queue_depth,
-                                io_mode=io_mode, staging=staging, log_level="WARNING") as pool:  # type: ignore[arg-type]  # fmt: skip
+                                io_mode=io_mode, staging=staging,  # type: ignore[arg-type]
+                                log_level="WARNING") as pool:  # fmt: skip
             backend = pool.backend
             modes = sorted({m for per_worker in backend.worker_modes().values() for m in per_worker})
 
@@ -160,13 +161,15 @@ async def bench_workers(manifest: list[str], slot_bytes: int, loads: list[tuple[
                 raise RuntimeError(f"telemetry from {len(telemetry)} of {workers} workers")
     staged = dict(
         staging=all(t.staging for t in telemetry), staging_reason=telemetry[0].staging_reason,
-        staged_bytes=sum(t.staged_bytes for t in telemetry), staging_copy_ms=sum(t.staging_copy_ms for t in telemetry),
+        staged_bytes=sum(t.staged_bytes for t in telemetry),
+        staging_copy_ms=sum(t.staging_copy_ms for t in telemetry),
         staging_bytes=sum(t.staging_bytes for t in telemetry),
         staging_huge_bytes=sum(t.staging_huge_bytes for t in telemetry),
     )  # fmt: skip
     svc, lat = summarize_expert_latencies(service), summarize_expert_latencies(latency)
     return dict(MBps=total / elapsed / MB, seconds=elapsed, bytes=total, p50_ms=svc.p50_ms, p99_ms=svc.p99_ms,
-                latency_p50_ms=lat.p50_ms, latency_p99_ms=lat.p99_ms, io_modes=modes, slots=slots, **staged)  # fmt: skip
+                latency_p50_ms=lat.p50_ms, latency_p99_ms=lat.p99_ms, io_modes=modes, slots=slots,
+                **staged)  # fmt: skip
 
 
 def bench_python(manifest: list[str], loads: list[tuple[ExpertIOSegment, ...]], threads: int) -> dict:

@@ -45,6 +45,8 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         for key in ("decode_tok_s", "ipc_wait_ms_per_layer", "copy_ms_per_layer", "end_step_fence_ms_per_token",
                     "copied_MB_per_token"):  # fmt: skip
             assert part[key] > 0, key
+        # Decode waves come in parts (top-2: one expert, then the other): only part 0's copy is exposed.
+        assert 0 < part["exposed_copy_ms_per_token"] < part["copy_ms_per_token"]
         assert set(part["per_layer"]) == {"0", "1"}
         assert part["jobs"][0]["warmup"] and not part["jobs"][1]["warmup"]
     assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0

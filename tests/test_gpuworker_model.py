@@ -27,6 +27,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, save_config, save_model
 
 from gpuworker import streamed
+from gpuworker.lease_client import decode_parts
 from gpuworker.model import check_against_store, load_streamed_model, streamed_switches
 from gpuworker.slots import slot_arrays
 from gpuworker.streamed import ExpertProviderError, LeasedWave
@@ -562,3 +563,90 @@ def test_detached_waves_compute_asynchronously_and_stay_bit_identical(family, mo
     assert got_tokens == want_tokens
     assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))
     assert calls and provider.async_outputs == provider.fenced == provider.waves == len(calls)
+
+
+class PartedProvider(DetachedProvider):
+    """Decode waves in parts (1, 2, 4, ... ranks), each stacked in rank order when taken, into its
+    own buffer (the lease client's pool sets); prefill waves whole."""
+
+    def __init__(self, experts, *, bank: int) -> None:
+        super().__init__(experts, bank=bank)
+        self.parts_taken: list[tuple[int, int]] = []  # (part index, experts)
+
+    def acquire(self, layer, routes):
+        waves = super().acquire(layer, routes)
+        if routes.shape[0] != 1:
+            return waves
+        [wave] = waves
+        wave.discard()
+        ranks = routes.reshape(-1).tolist()
+        parts = decode_parts(ranks)
+
+        def take_part(index: int) -> dict[str, mx.array]:
+            self.parts_taken.append((index, len(parts[index])))
+            order = mx.array(list(parts[index]))
+            return {name: array[order] for name, array in self.experts[layer].items()}
+
+        return [LeasedWave(ranks, lambda: None, lease=wave.lease, stacked=True, detached=True, parts=parts,
+                           take_part=take_part)]  # fmt: skip
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_parts_compute_bit_identically(family, quantized, models):
+    path = models(family, quantized)
+    oracle, config = load_model(path)
+    top_k = config.get("num_experts_per_tok") or config["experts_per_token"]
+    provider = PartedProvider(_experts_of(oracle), bank=10**6)
+    model, _ = load_streamed_model(path, provider=provider)
+    want_tokens, want_lp = _greedy(oracle, PROMPT)
+    got_tokens, got_lp = _greedy(model, PROMPT)
+    assert got_tokens == want_tokens
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))  # bit for bit
+    sizes = [len(part) for part in decode_parts(range(top_k))]
+    assert len(sizes) >= 2 and sum(sizes) == top_k
+    # Every decode visit took its parts in order, one after the other.
+    assert provider.parts_taken[: len(sizes)] == list(enumerate(sizes))
+    assert len(provider.parts_taken) % len(sizes) == 0 and provider.fenced == provider.waves
+
+
+def test_parts_are_checked():
+    tensors = {"w": mx.zeros((1, 2))}
+    with pytest.raises(ValueError, match="take_part"):
+        LeasedWave([1, 2], lambda: None, stacked=True, detached=True, parts=[(1,), (2,)])
+    with pytest.raises(ValueError, match="once each"):
+        LeasedWave([1, 2], lambda: None, stacked=True, detached=True, parts=[(1,), (1,)], take_part=lambda j: tensors)
+    with pytest.raises(ValueError, match="stacked, detached"):
+        LeasedWave([1, 2], lambda: None, parts=[(1,), (2,)], take_part=lambda j: tensors)
+    wave = LeasedWave([1, 2], lambda: None, stacked=True, detached=True, parts=[(1,), (2,)],
+                      take_part=lambda j: tensors)  # fmt: skip
+    with pytest.raises(ExpertProviderError, match="out of order"):
+        wave.take_part(1)
+    assert wave.take_part(0) is tensors
+    with pytest.raises(ExpertProviderError, match="already taken"):
+        wave.take()  # parts started: the whole wave is no longer there
+    assert wave.take_part(1) is tensors and wave.taken
+    assert [len(p) for p in decode_parts(range(8))] == [1, 2, 5]
+    assert decode_parts([7]) == () and decode_parts([3, 9]) == ((3,), (9,))
+
+
+def test_parts_that_are_not_the_route_ranks_are_refused_and_fenced(models):
+    path = models("qwen3_moe", True)
+    oracle, _ = load_model(path)
+
+    class Shuffled(PartedProvider):
+        def acquire(self, layer, routes):
+            waves = super().acquire(layer, routes)
+            if routes.shape[0] == 1:
+                [wave] = waves
+                wave.parts = tuple(reversed(wave.parts))
+            return waves
+
+        def fence(self, wave):  # refused before any part computed: no outputs to hand over
+            StackedProvider.fence(self, wave)
+
+    provider = Shuffled(_experts_of(oracle), bank=10**6)
+    model, _ = load_streamed_model(path, provider=provider)
+    with pytest.raises(ExpertProviderError, match="not the route's ranks"):
+        _greedy(model, PROMPT)
+    assert provider.fenced == provider.waves  # the refused wave was fenced all the same

@@ -175,7 +175,8 @@ def test_staging_lands_the_same_bytes_and_telemetry_says_what_ran(coordinator, f
     assert coord.expect(Loaded).ok
     base = slab.slot_offset(1)
     for s in segments:
-        assert slab.buffer[base + s.destination : base + s.destination + s.length] == blobs[s.file][s.offset : s.offset + s.length]
+        landed = slab.buffer[base + s.destination : base + s.destination + s.length]
+        assert landed == blobs[s.file][s.offset : s.offset + s.length]
     coord.send(TelemetryRequest())
     telemetry = coord.expect(WorkerTelemetry)
     assert telemetry.staging_reason

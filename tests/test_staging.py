@@ -53,6 +53,10 @@ def _ops(file: BypassFile, spans: list[tuple[int, int]]) -> list:
     return ops
 
 
+def _landed(region, op) -> bytes:
+    return region[op.region_offset : op.region_offset + op.length]
+
+
 def _read(file: BypassFile, region, spans, staging: StagingBuffer | None, above: int = 0):
     ops = _ops(file, spans)
     pool = ReadPool(threads=2, staging=staging, stage_above=above)
@@ -75,7 +79,7 @@ def test_staged_reads_land_exactly_and_are_counted(disk_file, payload, region, s
     for op, result in zip(ops, results):
         assert result.ok, result.describe()
         assert result.delivered == op.length
-        assert region[op.region_offset : op.region_offset + op.length] == payload[op.file_offset : op.file_offset + op.length]
+        assert _landed(region, op) == payload[op.file_offset : op.file_offset + op.length]
     assert stats.enabled and stats.stride == HUGE_PAGE and stats.stage_above == 0
     assert stats.staged_reads == len(SPANS)
     assert stats.staged_bytes == sum(r.transferred for r in results)
@@ -92,7 +96,7 @@ def test_short_reads_stay_above_the_threshold_and_buffered_files_never_stage(dis
         ops, results, stats = _read(file, region, spans, staging)
     assert all(r.ok for r in results) and stats.staged_reads == 0
     for op in ops:
-        assert region[op.region_offset : op.region_offset + op.length] == payload[op.file_offset : op.file_offset + op.length]
+        assert _landed(region, op) == payload[op.file_offset : op.file_offset + op.length]
 
 
 def test_short_read_at_eof_through_staging_is_an_error(disk_file, region, staging):
@@ -133,14 +137,17 @@ def test_any_staged_spans_land_exactly(disk_file, payload, region, staging, span
         ops, results, _ = _read(file, region, spans, staging, above)
     for op, result in zip(ops, results):
         assert result.ok
-        assert region[op.region_offset : op.region_offset + op.length] == payload[op.file_offset : op.file_offset + op.length]
+        assert _landed(region, op) == payload[op.file_offset : op.file_offset + op.length]
 
 
 # ---------------------------------------------------------------- the choice
 
 
-def fake_sysfs(root: Path, target: Path, *, anon="always [madvise] never", shmem="always within_size advise [never] deny force",
-               segments=254, sectors_kb=4096, partition=False) -> Path:  # fmt: skip
+SHMEM_NEVER = "always within_size advise [never] deny force"
+
+
+def fake_sysfs(root: Path, target: Path, *, anon="always [madvise] never", shmem=SHMEM_NEVER, segments=254,
+               sectors_kb=4096, partition=False) -> Path:  # fmt: skip
     thp = root / "kernel" / "mm" / "transparent_hugepage"
     thp.mkdir(parents=True)
     (thp / "enabled").write_text(anon + "\n")
