@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import zmq
@@ -41,6 +41,7 @@ from shared.gpu_messages import (
     COORDINATOR_ACCEPTS_FROM_GPU,
     Fence,
     Fenced,
+    GpuGoodbye,
     GpuHello,
     GpuReady,
     GpuWelcome,
@@ -96,6 +97,7 @@ class _GpuSession:
     ready: bool = False
     dense_bytes: int = 0
     wrap_path: str = "copy"
+    leaving: str = ""  # the worker's goodbye: why it exits (its exit is then not a loss)
 
 
 class Coordinator:
@@ -165,7 +167,7 @@ class Coordinator:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if self.gpu.identity is not None and not _alive(self.gpu.pid):
-                await self._gpu_lost(f"GPU worker pid {self.gpu.pid} exited")
+                await self._gpu_lost(f"GPU worker pid {self.gpu.pid} exited", expected=bool(self.gpu.leaving))
 
     # ------------------------------------------------------ the GPU worker
 
@@ -190,6 +192,9 @@ class Coordinator:
             return
         if isinstance(message, GpuReady):
             self._gpu_ready(identity, message)
+        elif isinstance(message, GpuGoodbye):
+            logger.info("GPU worker pid %d is exiting (%s)", message.pid, message.reason)
+            self.gpu = replace(self.gpu, ready=False, leaving=message.reason or "goodbye")
         elif isinstance(message, (Routes, Fence)):
             if not self.io_ready:
                 self._send(self.gpu_sock, identity, ErrorReply(NOT_READY, "the I/O workers are not ready yet"))
@@ -247,8 +252,11 @@ class Coordinator:
         self.meter.sample(force=True)  # its baseline: Python, libraries, tokenizer and the dense weights
         self.front.poke()
 
-    async def _gpu_lost(self, reason: str) -> None:
-        logger.error("GPU worker lost: %s", reason)
+    async def _gpu_lost(self, reason: str, *, expected: bool = False) -> None:
+        if expected:  # it said goodbye first: a stop, not a failure (any job was already answered)
+            logger.info("GPU worker gone: %s after its goodbye", reason)
+        else:
+            logger.error("GPU worker lost: %s", reason)
         self.gpu = _GpuSession(epoch=self.gpu.epoch + 1)
         self.leases.release_for_lost_worker(reason)
         await self.front.gpu_lost(reason)

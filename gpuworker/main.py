@@ -38,6 +38,7 @@ from shared.gpu_messages import (
     GPU_WORKER_ACCEPTS,
     MAX_ROUTE_ROWS,
     Fenced,
+    GpuGoodbye,
     GpuHello,
     GpuReady,
     GpuWelcome,
@@ -285,6 +286,7 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
     worker: _Worker | None = None
     linger = 0
     parent_gone = False
+    welcomed = False
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, WORKER_MAX_MESSAGE_BYTES)
@@ -297,6 +299,7 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
         if welcome is None:
             logger.info("stopped during the handshake")
             return EXIT_OK
+        welcomed = True
         step = f"attaching slab {welcome.slab_name}"
         try:
             slab = Slab.attach(welcome.slab_name, total_slots=welcome.total_slots, slot_bytes=welcome.slot_bytes)
@@ -349,6 +352,13 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
                 client.release()
             except Exception as error:  # noqa: BLE001 - best effort on the way out
                 logger.warning("could not fence the held lease on exit: %s", error)
+        if welcomed and stop_signal and not parent_gone:
+            # After the fences: the coordinator reads them first, then hears this exit is not a loss.
+            try:
+                sock.send(encode(GpuGoodbye(pid=os.getpid(), reason=f"signal {stop_signal[0]}")), zmq.NOBLOCK)
+                linger = max(linger, 500)
+            except zmq.ZMQError as error:
+                logger.info("could not say goodbye: %s", error)
         worker = client = None
         if slab is not None:
             try:

@@ -80,6 +80,15 @@ class GpuHello:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuGoodbye:
+    """The worker exits on purpose (a signal, a stop): its exit that follows is not a loss."""
+
+    OP: ClassVar[str] = "gpu_goodbye"
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class GpuWelcome:
     """What the worker needs to read slots: the slab and its geometry."""
 
@@ -205,5 +214,6 @@ class JobError:
 GPU_WORKER_ACCEPTS = make_registry(GpuWelcome, Lease, Fenced, Job, JobCancel, ErrorReply)
 """Ops the GPU worker accepts from the coordinator."""
 
-COORDINATOR_ACCEPTS_FROM_GPU = make_registry(GpuHello, GpuReady, Routes, Fence, Token, JobDone, JobError, ErrorReply)
+COORDINATOR_ACCEPTS_FROM_GPU = make_registry(GpuHello, GpuReady, GpuGoodbye, Routes, Fence, Token, JobDone, JobError,
+                                             ErrorReply)  # fmt: skip
 """Ops the coordinator accepts from the GPU worker."""

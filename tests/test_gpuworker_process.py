@@ -37,6 +37,7 @@ from shared.gpu_messages import (
     COORDINATOR_ACCEPTS_FROM_GPU,
     Fence,
     Fenced,
+    GpuGoodbye,
     GpuHello,
     GpuReady,
     GpuWelcome,
@@ -576,6 +577,9 @@ def test_sigterm_mid_job_fences_and_exits_zero(q4):
     tokens, end = coordinator.run_job(Job(job_id=41, prompt_tokens=tuple(PROMPT), max_tokens=200), on_token=stop)
     assert isinstance(end, JobError) and end.code == "worker_stopping", end
     assert len(tokens) < 200 and coordinator.active is None
+    # After its fences and the job's error: it says it is leaving, so its exit is not a loss.
+    goodbye = coordinator.recv(timeout=10)
+    assert isinstance(goodbye, GpuGoodbye) and goodbye.pid == process.pid and goodbye.reason == "signal 15"
     assert process.wait(timeout=10) == 0
     assert time.monotonic() - started < 15
     assert "stopping on signal" in coordinator.log_tail()

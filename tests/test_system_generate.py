@@ -321,6 +321,23 @@ def test_a_lost_gpu_worker_fails_its_job_and_leaves_no_lease(models, caplog):
         assert [d for d in system.dead_children() if "GPU worker" in d and "signal 9" in d]
 
 
+def test_a_gpu_worker_stopped_by_signal_says_goodbye_and_is_not_reported_lost(models, caplog):
+    caplog.set_level(logging.INFO)
+    path = models("qwen3_moe", False)
+    with _start(path) as system:
+        gpu_pid = system.pids["GPU worker"]
+        with Client(system.endpoint, timeout=30) as client:
+            stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
+            assert isinstance(next(stream), TokenEvent)
+            os.kill(gpu_pid, signal.SIGTERM)  # what the launcher's stop does first
+            with pytest.raises(ClientJobError) as caught:
+                for _ in stream:
+                    pass
+            assert caught.value.code == "worker_stopping"
+        assert wait_for(lambda: any("after its goodbye" in r.getMessage() for r in caplog.records))
+        assert not [r for r in caplog.records if "GPU worker lost" in r.getMessage()]
+
+
 def test_a_write_into_a_leased_slot_fails_the_job(models):
     """verify_fenced in the real system: another process writing the slab is caught at the fence."""
     path = models("qwen3_moe", False)
