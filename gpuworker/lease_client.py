@@ -392,52 +392,52 @@ class LeaseClient:
     def _wrap_part(self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease) -> dict[str, mx.array]:
         """Part `index` of a decode wave, stacked in the part's (rank) order into pool set `index`."""
         slot_of = dict(zip(lease.experts, lease.slots))
-        if index == 0 and self._pending:  # the previous visit's outputs may still read these sets
-            mx.eval(*self._pending)
-            self._pending.clear()
+        if index == 0:  # the previous visit's outputs may still read these sets
+            self._settle_pending()
         assert self._stack_pool is not None
         started = time.perf_counter()
         tensors, wrap = stacked_slot_arrays(self.buffer, [slot_of[e] for e in expert_ids], self.slot_bytes,
                                             [self.store.layout(layer, e) for e in expert_ids], self._stack_pool,
                                             tag=index)  # fmt: skip
-        elapsed = time.perf_counter() - started
-        self._stats.wrap_path = wrap.path
-        self._stats.bytes_copied += wrap.bytes_copied
+        # Later parts copy while the part before computes: only part 0's copy is exposed.
+        self._count_copy(time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=index == 0)
+        return tensors
+
+    def _settle_pending(self) -> None:
+        """Evaluate detached outputs that may still read the pool's buffers, before rewriting them
+        (normally done already: the next layer's input needed them)."""
+        if self._pending:
+            mx.eval(*self._pending)
+            self._pending.clear()
+
+    def _count_copy(self, elapsed: float, copied: int, path: str, *, exposed: bool) -> None:
+        self._stats.wrap_path = path
+        self._stats.bytes_copied += copied
         self._stats.copy_s += elapsed
         self._bucket[3] += elapsed
-        self._bucket[6] += wrap.bytes_copied
-        if index == 0:  # later parts copy while the part before computes
+        self._bucket[6] += copied
+        if exposed:
             self._bucket[7] += elapsed
-        return tensors
 
     def _wrap(self, layer: int, expert_ids: tuple[int, ...], lease: Lease):
         """The wave's tensors: stacked in ascending expert id (copy path: one copy, into the
         pool), or per expert in `expert_ids` order (zero copy: views of the slots)."""
         slot_of = dict(zip(lease.experts, lease.slots))
-        if self._pending:  # nothing may still read the pool's buffers when they are rewritten
-            mx.eval(*self._pending)  # (normally done already: the next layer's input needed them)
-            self._pending.clear()
+        self._settle_pending()
         started = time.perf_counter()
         if self._stack_pool is not None:
             ordered = sorted(expert_ids)
             tensors, wrap = stacked_slot_arrays(self.buffer, [slot_of[e] for e in ordered], self.slot_bytes,
                                                 [self.store.layout(layer, e) for e in ordered], self._stack_pool)
             copied = wrap.bytes_copied
-            self._stats.wrap_path = wrap.path
         else:
             tensors, copied = [], 0
             for expert in expert_ids:
                 arrays, wrap = slot_arrays(self.buffer, slot_of[expert], self.slot_bytes,
                                            self.store.layout(layer, expert), zero_copy=self.zero_copy)  # fmt: skip
                 copied += wrap.bytes_copied
-                self._stats.wrap_path = wrap.path
                 tensors.append(arrays)
-        elapsed = time.perf_counter() - started
-        self._stats.bytes_copied += copied
-        self._stats.copy_s += elapsed
-        self._bucket[3] += elapsed
-        self._bucket[6] += copied
-        self._bucket[7] += elapsed
+        self._count_copy(time.perf_counter() - started, copied, wrap.path, exposed=True)
         return tensors
 
 

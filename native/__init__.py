@@ -25,10 +25,10 @@ import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from native import _bypassio
+from native.blockdev import queue_setting
 from native.staging import StagingBuffer
 
 DEFAULT_BLOCK_SIZE = 4096
@@ -82,14 +82,7 @@ def device_logical_block_size(path: str | os.PathLike[str]) -> int | None:
         return size if size > 0 else None
     if not sys.platform.startswith("linux"):
         return None
-    device = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    # A partition has no queue/ of its own; its parent directory does.
-    for candidate in (Path(device, "queue"), Path(device).resolve().parent / "queue"):
-        try:
-            return int((candidate / "logical_block_size").read_text().strip())
-        except (OSError, ValueError):
-            continue
-    return None
+    return queue_setting(path, "logical_block_size")
 
 
 @dataclass(frozen=True, slots=True)

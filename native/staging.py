@@ -21,12 +21,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from native.blockdev import queue_setting
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +65,9 @@ def _setting(path: Path) -> str | None:
 
 def _queue_limits(path: str, sysfs: Path) -> tuple[int, int] | None:
     """(max_segments, max request bytes) of the block device holding `path`."""
-    st = os.stat(path)
-    device = sysfs / "dev" / "block" / f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    # A partition has no queue/ of its own; its parent directory does.
-    for queue in (device / "queue", device.resolve().parent / "queue"):
-        try:
-            segments = int((queue / "max_segments").read_text())
-            request = int((queue / "max_sectors_kb").read_text()) * 1024
-        except (OSError, ValueError):
-            continue
-        return segments, request
-    return None
+    segments = queue_setting(path, "max_segments", sysfs=sysfs)
+    request_kb = queue_setting(path, "max_sectors_kb", sysfs=sysfs)
+    return None if segments is None or request_kb is None else (segments, request_kb * 1024)
 
 
 def choose_staging(

@@ -134,6 +134,14 @@ def coordinator(tmp_path, files, slab):
         coord.close()
 
 
+def assert_landed(slab: Slab, slot: int, segments, blobs) -> None:
+    """Every segment's file bytes sit at its destination in `slot`."""
+    base = slab.slot_offset(slot)
+    for s in segments:
+        landed = slab.buffer[base + s.destination : base + s.destination + s.length]
+        assert landed == blobs[s.file][s.offset : s.offset + s.length]
+
+
 def good_load(slot: int, generation: int) -> Load:
     return Load(slot=slot, generation=generation, segments=(ExpertIOSegment(1, 4096 + 7, 1000, 7),))
 
@@ -147,10 +155,7 @@ def test_loads_land_exactly_and_telemetry_counts(coordinator, files, slab):
     reply = coord.expect(Loaded)
     assert (reply.slot, reply.generation, reply.ok, reply.bytes) == (2, 5, True, 20008)
     assert reply.service_ms > 0
-    base = slab.slot_offset(2)
-    for s in segments:
-        got = slab.buffer[base + s.destination : base + s.destination + s.length]
-        assert got == blobs[s.file][s.offset : s.offset + s.length]
+    assert_landed(slab, 2, segments, blobs)
     coord.send(TelemetryRequest())
     telemetry = coord.expect(WorkerTelemetry)
     assert (telemetry.loads, telemetry.bytes, telemetry.read_ops, telemetry.files) == (1, 20008, 3, 2)
@@ -173,10 +178,7 @@ def test_staging_lands_the_same_bytes_and_telemetry_says_what_ran(coordinator, f
     segments = (ExpertIOSegment(0, 12345, 40000, 12345 % 4096), ExpertIOSegment(1, 5, 100, 49152 + 5))
     coord.send(Load(slot=1, generation=3, segments=segments))
     assert coord.expect(Loaded).ok
-    base = slab.slot_offset(1)
-    for s in segments:
-        landed = slab.buffer[base + s.destination : base + s.destination + s.length]
-        assert landed == blobs[s.file][s.offset : s.offset + s.length]
+    assert_landed(slab, 1, segments, blobs)
     coord.send(TelemetryRequest())
     telemetry = coord.expect(WorkerTelemetry)
     assert telemetry.staging_reason

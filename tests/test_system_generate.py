@@ -301,19 +301,23 @@ def test_bad_input_gets_errors_and_the_system_keeps_serving(models):
             assert stats.jobs_done == 3 and stats.running is None and stats.queued == 0
 
 
+def _signal_gpu_worker_mid_job(system, client: Client, signum: int):
+    """Start a long job, signal the GPU worker after its first token; the job's error."""
+    stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
+    assert isinstance(next(stream), TokenEvent)
+    os.kill(system.pids["GPU worker"], signum)
+    with pytest.raises(ClientJobError) as caught:
+        for _ in stream:
+            pass
+    return caught
+
+
 def test_a_lost_gpu_worker_fails_its_job_and_leaves_no_lease(models, caplog):
     caplog.set_level(logging.INFO)
     path = models("qwen3_moe", False)
     with _start(path) as system:
-        gpu_pid = system.pids["GPU worker"]
         with Client(system.endpoint, timeout=30) as client:
-            stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
-            first = next(stream)
-            assert isinstance(first, TokenEvent)
-            os.kill(gpu_pid, signal.SIGKILL)
-            with pytest.raises(ClientJobError) as caught:
-                for _ in stream:
-                    pass
+            caught = _signal_gpu_worker_mid_job(system, client, signal.SIGKILL)
             assert caught.value.code == "worker_failed" and "GPU worker was lost" in str(caught.value)
             health = client.health()
             assert not health.ready and not health.gpu_worker and health.io_workers == 2
@@ -325,14 +329,8 @@ def test_a_gpu_worker_stopped_by_signal_says_goodbye_and_is_not_reported_lost(mo
     caplog.set_level(logging.INFO)
     path = models("qwen3_moe", False)
     with _start(path) as system:
-        gpu_pid = system.pids["GPU worker"]
         with Client(system.endpoint, timeout=30) as client:
-            stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
-            assert isinstance(next(stream), TokenEvent)
-            os.kill(gpu_pid, signal.SIGTERM)  # what the launcher's stop does first
-            with pytest.raises(ClientJobError) as caught:
-                for _ in stream:
-                    pass
+            caught = _signal_gpu_worker_mid_job(system, client, signal.SIGTERM)  # the launcher's stop does this first
             assert caught.value.code == "worker_stopping"
         assert wait_for(lambda: any("after its goodbye" in r.getMessage() for r in caplog.records))
         assert not [r for r in caplog.records if "GPU worker lost" in r.getMessage()]
