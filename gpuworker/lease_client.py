@@ -15,10 +15,12 @@ with the next layer's `Routes` (the visit's last wave, piggybacked), or at
 tokens nothing is leased (the coordinator's safe point).
 
 On the copy path (CPU, CUDA) a decode wave is handed to the module in parts
-(`decode_parts`: 1, 2, 4, ... experts in rank order), each copied from its
-slots only when the module takes it, while the part before computes: of the
-wave's copy only part 0's stays on the critical path (`exposed_copy_ms`).
-Every part is copied before the wave's fence, like a whole wave.
+(`gpuworker.lanes.decode_parts`: 1, 2, 4, ... experts in rank order, per
+compute lane), each copied from its slots only when the module takes it,
+while the part before computes: of the wave's copy only part 0's stays on
+the critical path (`exposed_copy_ms`). With `compute_lanes` > 1 the parts
+take turns over that many MLX streams. Every part is copied before the
+wave's fence, like a whole wave.
 
 Waiting for replies (and for cancels, jobs and garbage arriving meanwhile)
 is `gpuworker.channel.Channel`'s.
@@ -35,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from gpuworker.channel import Channel, LeaseError, ParentGone, WorkerStopping
+from gpuworker.lanes import MAX_LANES, decode_parts
 from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, slot_arrays, stacked_slot_arrays, zero_copy_supported
 from gpuworker.streamed import ExpertProviderError, LeasedWave
 from shared.gpu_messages import Fence, Fenced, Lease, RouteMatrix, Routes
@@ -94,6 +97,8 @@ class LeaseStats:
     copy_ms: float = 0.0
     wrap_path: str = COPY
     layers: tuple[LayerLeaseStats, ...] = ()  # per (layer, phase), sorted
+    compute_lanes: int = 1  # MLX streams a decode wave's parts ran on (copy path)
+    lane_parts: tuple[int, ...] = ()  # decode parts handed out per lane
 
 
 @dataclass(slots=True)
@@ -115,9 +120,13 @@ class LeaseClient:
     """`ExpertProvider` on the coordinator's lease protocol (see the module docstring)."""
 
     def __init__(self, channel: Channel, *, store, buffer, total_slots: int, slot_bytes: int,
-                 working_slots: int, reply_timeout_s: float = 60.0, zero_copy: bool | None = None) -> None:  # fmt: skip
+                 working_slots: int, reply_timeout_s: float = 60.0, zero_copy: bool | None = None,
+                 compute_lanes: int = 1) -> None:  # fmt: skip
         if working_slots < 1:
             raise ValueError(f"working_slots must be >= 1, got {working_slots}")
+        if isinstance(compute_lanes, bool) or not isinstance(compute_lanes, int) or not 1 <= compute_lanes <= MAX_LANES:
+            raise ValueError(f"compute_lanes must be an int in [1, {MAX_LANES}], got {compute_lanes!r}")
+        self.compute_lanes = compute_lanes  # decode parts run on this many MLX streams (copy path)
         self.channel = channel
         self.store = store
         self.buffer = buffer
@@ -134,12 +143,12 @@ class LeaseClient:
         # The copy path writes each leased slot once, straight into stacked arrays of this pool.
         # Decode waves (top-k experts) reuse one pooled set; larger (prefill) waves get fresh buffers.
         top_k = getattr(store, "top_k", None) or 8
-        # Sets alive at once: a decode wave's parts (at most log2(k) + 1) and a whole wave.
-        sets = top_k.bit_length() + 2
+        # Sets alive at once: a decode wave's parts and a whole wave (one more for slack).
+        sets = len(decode_parts(range(top_k), lanes=compute_lanes)) + 2
         self._stack_pool = StackBuffers(max_pooled=top_k, max_sets=sets) if self.wrap_path == COPY else None
         self._pending: list[mx.array] = []  # outputs of detached waves that may still read the pool
         self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet
-        self._stats = _Counters(wrap_path=self.wrap_path)
+        self._stats = _Counters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
         self._phase = DECODE
         self._bucket: list = self._stats.bucket(END_STEP, DECODE)  # where the next round trip is counted
 
@@ -150,10 +159,10 @@ class LeaseClient:
         layers = tuple(LayerLeaseStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3)
                        for (layer, phase), c in sorted(s.layers.items(), key=lambda item: (item[0][1], item[0][0])))
         return LeaseStats(s.round_trips, s.leases, s.wait_s * 1e3, s.bytes_copied, s.copy_s * 1e3, s.wrap_path,
-                          layers)  # fmt: skip
+                          layers, self.compute_lanes, tuple(s.lane_parts))  # fmt: skip
 
     def reset_stats(self) -> None:
-        self._stats = _Counters(wrap_path=self.wrap_path)
+        self._stats = _Counters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
         self._bucket = self._stats.bucket(END_STEP, DECODE)
 
     @property
@@ -185,7 +194,8 @@ class LeaseClient:
             except LeaseError:
                 self._settle(piggyback)
                 raise
-            parts = decode_parts(waves[0]) if visit.stacked and routes.shape[0] == 1 and len(waves) == 1 else ()
+            parts = (decode_parts(waves[0], lanes=self.compute_lanes)
+                     if visit.stacked and routes.shape[0] == 1 and len(waves) == 1 else ())  # fmt: skip
             # Parts are copied when the module takes them, each while the one before computes.
             first = self._admit(visit, 0, lease, wrap=not parts)
         except BaseException:
@@ -193,8 +203,10 @@ class LeaseClient:
             raise
         if parts:
             whole = lambda: self._wrap(layer, waves[0], lease)  # noqa: E731  (a module that takes it whole)
-            return [_make_wave(visit, 0, whole, parts=parts,
-                               take_part=lambda index: self._wrap_part(layer, parts[index], index, lease))]  # fmt: skip
+            lanes = tuple(j % self.compute_lanes for j in range(len(parts)))
+            return [_make_wave(visit, 0, whole, parts=parts, part_lanes=lanes,
+                               take_part=lambda index: self._wrap_part(layer, parts[index], index, lease,
+                                                                       lane=lanes[index]))]  # fmt: skip
         result = [_make_wave(visit, 0, first)]
         for index in range(1, len(waves)):
             result.append(_make_wave(visit, index, lambda index=index: self._load_next(visit, index)))
@@ -389,8 +401,10 @@ class LeaseClient:
         if len(set(lease.slots)) != len(lease.slots):
             raise LeaseError(f"{where}: a slot is leased twice: {list(lease.slots)}")
 
-    def _wrap_part(self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease) -> dict[str, mx.array]:
-        """Part `index` of a decode wave, stacked in the part's (rank) order into pool set `index`."""
+    def _wrap_part(self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease, *,
+                   lane: int) -> dict[str, mx.array]:
+        """Part `index` of a decode wave (for compute lane `lane`), stacked in the part's (rank) order
+        into pool set `index`."""
         slot_of = dict(zip(lease.experts, lease.slots))
         if index == 0:  # the previous visit's outputs may still read these sets
             self._settle_pending()
@@ -401,6 +415,7 @@ class LeaseClient:
                                             tag=index)  # fmt: skip
         # Later parts copy while the part before computes: only part 0's copy is exposed.
         self._count_copy(time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=index == 0)
+        self._stats.lane_parts[lane] += 1
         return tensors
 
     def _settle_pending(self) -> None:
@@ -451,6 +466,7 @@ class _Counters:
     wrap_path: str = COPY
     # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied, exposed copy s]
     layers: dict[tuple[int, str], list] = field(default_factory=dict)
+    lane_parts: list[int] = field(default_factory=list)  # decode parts handed out per compute lane
 
     def bucket(self, layer: int, phase: str) -> list:
         found = self.layers.get((layer, phase))
@@ -459,24 +475,9 @@ class _Counters:
         return found
 
 
-def decode_parts(experts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """A decode wave's experts (rank order) in parts of 1, 2, 4, ... with the rest merged into
-    the last: copying part j+1 (twice part j) hides under part j's compute whenever an expert
-    computes in at least twice the time it copies; few parts, few extra kernel calls."""
-    experts, parts, start, size = tuple(experts), [], 0, 1
-    if len(experts) < 2:
-        return ()
-    while start < len(experts):
-        rest = len(experts) - start
-        take = rest if rest < 2 * size else size  # a remainder smaller than the next part joins
-        parts.append(experts[start : start + take])
-        start, size = start + take, size * 2
-    return tuple(parts)
-
-
-def _make_wave(visit: _Visit, index: int, tensors, *, parts=(), take_part=None) -> _Wave:
+def _make_wave(visit: _Visit, index: int, tensors, *, parts=(), take_part=None, part_lanes=()) -> _Wave:
     # The copy path's stacked tensors never read the slab: detached (fenced while computing).
     wave = _Wave(visit.waves[index], tensors, lease=(visit.layer, index), stacked=visit.stacked,
-                 detached=visit.stacked, parts=parts, take_part=take_part)  # fmt: skip
+                 detached=visit.stacked, parts=parts, take_part=take_part, part_lanes=part_lanes)  # fmt: skip
     wave.visit, wave.index = visit, index
     return wave

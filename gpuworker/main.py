@@ -32,7 +32,9 @@ from mlx_lm.utils import load_tokenizer
 
 from gpuworker.generate import DEFAULT_PREFILL_STEP, JobRefused, job_done, run_job
 from gpuworker.channel import Channel, LeaseError, ParentGone, WorkerStopping
+from gpuworker.lanes import MAX_LANES, resolve_lanes
 from gpuworker.lease_client import LeaseClient
+from gpuworker.slots import ZERO_COPY
 from gpuworker.model import check_against_store, load_streamed_model
 from shared.gpu_messages import (
     GPU_WORKER_ACCEPTS,
@@ -75,6 +77,7 @@ class GpuWorkerConfig:
     reply_timeout: float = 60.0  # longest wait for one lease/fenced reply
     stop_grace: float = 5.0  # after SIGTERM, how long a pending lease reply is still awaited
     prefill_step_size: int = DEFAULT_PREFILL_STEP
+    compute_lanes: int | None = None  # MLX streams for a decode wave's parts; None: auto (gpuworker.lanes)
 
 
 class SetupError(RuntimeError):
@@ -92,6 +95,8 @@ def worker_arguments(config: GpuWorkerConfig) -> list[str]:
             "--stop-grace", str(config.stop_grace), "--prefill-step-size", str(config.prefill_step_size)]  # fmt: skip
     if config.death_fd is not None:
         args += ["--death-fd", str(config.death_fd)]
+    if config.compute_lanes is not None:
+        args += ["--compute-lanes", str(config.compute_lanes)]
     return args
 
 
@@ -111,7 +116,12 @@ def parse_args(argv: Sequence[str] | None = None) -> GpuWorkerConfig:
     parser.add_argument("--stop-grace", type=float, default=5.0,
                         help="seconds a pending lease reply is still awaited after SIGTERM")  # fmt: skip
     parser.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
+    parser.add_argument("--compute-lanes", type=int, default=None,
+                        help=f"MLX streams a decode wave's experts compute on, 1..{MAX_LANES} "
+                             "(default: auto, 2 on a CPU with 2+ cores, else 1)")  # fmt: skip
     ns = parser.parse_args(argv)
+    if ns.compute_lanes is not None and not 1 <= ns.compute_lanes <= MAX_LANES:
+        parser.error(f"--compute-lanes must be in [1, {MAX_LANES}], got {ns.compute_lanes}")
     for name in ("handshake_timeout", "reply_timeout", "prefill_step_size"):
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")
@@ -255,6 +265,7 @@ def _telemetry_json(generation, stats) -> str:
         "prefill_ms": round(generation.prefill_ms, 3), "decode_ms": round(generation.decode_ms, 3),
         "round_trips": stats.round_trips, "lease_wait_ms": round(stats.lease_wait_ms, 3),
         "copy_ms": round(stats.copy_ms, 3), "bytes_copied": stats.bytes_copied, "wrap_path": stats.wrap_path,
+        "compute_lanes": stats.compute_lanes, "lane_parts": list(stats.lane_parts),
         "layers": [[s.layer, s.phase, s.visits, s.round_trips, round(s.wait_ms, 3), round(s.copy_ms, 3),
                     s.experts, s.hits, s.bytes_copied, round(s.exposed_copy_ms, 3)] for s in stats.layers],
     }, separators=(",", ":"))  # fmt: skip
@@ -310,9 +321,12 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
                                  f"the slab has {welcome.slot_bytes}")  # fmt: skip
             step = f"loading the tokenizer and model of {config.model}"
             tokenizer = load_tokenizer(Path(config.model), eos_token_ids=store.config.get("eos_token_id"))
+            lanes, why = resolve_lanes(config.compute_lanes)
             client = LeaseClient(channel, store=store, buffer=slab.buffer, total_slots=welcome.total_slots,
                                  slot_bytes=welcome.slot_bytes, working_slots=welcome.working_slots,
-                                 reply_timeout_s=config.reply_timeout)  # fmt: skip
+                                 reply_timeout_s=config.reply_timeout, compute_lanes=lanes)  # fmt: skip
+            logger.info("compute lanes: %d (%s)%s", lanes, why,
+                        "" if client.wrap_path != ZERO_COPY else "; unused on the zero-copy path")  # fmt: skip
             model, info = load_streamed_model(config.model, provider=client)  # dense weights only
             step = "checking the model against the store"
             check_against_store(info, store)

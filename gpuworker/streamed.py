@@ -21,6 +21,8 @@ ranks, started (`mx.async_eval`) before the next part's tensors are taken, so
 a provider that copies slots copies part j+1 while part j computes; a
 decode row's (token, expert) products do not depend on the other ranks, so
 the parts' outputs put side by side are the single call's, bit for bit.
+Parts may run on different compute lanes (MLX streams, `gpuworker.lanes`):
+the same kernels on the same bytes, on more cores where the backend has them.
 Several waves (prefill larger than the working bank): each wave computes its
 (row, rank) consumers only, and the outputs are put back in place, so the
 family's `(y * scores).sum(-2)` runs unchanged on a `[..., k, hidden]` result.
@@ -37,6 +39,8 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from gpuworker.lanes import MAX_LANES, lane_stream
 
 __all__ = [
     "ExpertParam",
@@ -102,11 +106,12 @@ class LeasedWave:
     consecutive groups, in route rank order, whose stacked tensors
     `take_part(j)` produces one group at a time (in the group's order), so
     the module can compute a group while the next one is produced. A module
-    uses either `take()` or every part, in order.
+    uses either `take()` or every part, in order. `part_lanes[j]` is the
+    compute lane (`gpuworker.lanes`) part j runs on (default: all lane 0).
     """
 
-    __slots__ = ("expert_ids", "lease", "stacked", "detached", "outputs", "parts", "_tensors", "_take_part",
-                 "_next_part")
+    __slots__ = ("expert_ids", "lease", "stacked", "detached", "outputs", "parts", "part_lanes", "_tensors",
+                 "_take_part", "_next_part")
 
     def __init__(
         self,
@@ -118,6 +123,7 @@ class LeasedWave:
         detached: bool = False,
         parts: Sequence[Sequence[int]] = (),
         take_part: Callable[[int], Mapping[str, mx.array]] | None = None,
+        part_lanes: Sequence[int] = (),
     ) -> None:
         self.expert_ids: tuple[int, ...] = tuple(int(e) for e in expert_ids)
         self.lease = lease
@@ -130,6 +136,12 @@ class LeasedWave:
                 raise ValueError("parts need take_part and a stacked, detached wave")
             if sorted(e for part in self.parts for e in part) != sorted(self.expert_ids):
                 raise ValueError(f"parts {self.parts} do not hold the wave's experts {self.expert_ids} once each")
+        self.part_lanes: tuple[int, ...] = tuple(part_lanes) or (0,) * len(self.parts)
+        if len(self.part_lanes) != len(self.parts) or not all(
+                isinstance(lane, int) and not isinstance(lane, bool) and 0 <= lane < MAX_LANES
+                for lane in self.part_lanes):
+            raise ValueError(f"part_lanes {self.part_lanes} must be one lane in [0, {MAX_LANES}) per part "
+                             f"({len(self.parts)} parts)")  # fmt: skip
         self._take_part = take_part
         self._next_part = 0
         if not callable(tensors):
@@ -359,7 +371,8 @@ class StreamedSwitch(nn.Module):
                 self._install(got)
                 del got
                 try:
-                    y = self.switch(x, positions.astype(dtype))
+                    with mx.stream(lane_stream(wave.part_lanes[index])):
+                        y = self.switch(x, positions.astype(dtype))
                 finally:
                     self._clear()
                 _evaluate_async(y)

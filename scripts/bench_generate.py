@@ -85,6 +85,7 @@ except ImportError:  # run from a checkout without the editable install
 
 import mlx.core as mx
 
+from shared.config import MAX_COMPUTE_LANES
 from shared.demo_model import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
 logger = logging.getLogger("bench_generate")
@@ -462,6 +463,7 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
     end_wait = sum(r["wait_ms"] for r in end)
     return {
         "decode_passes": passes,
+        "compute_lanes": record.get("compute_lanes", 1),
         "ipc_wait_ms_per_layer": sum(r["wait_ms"] for r in decode) / visits,
         "copy_ms_per_layer": sum(r["copy_ms"] for r in decode) / visits,
         "round_trips_per_layer": sum(r["round_trips"] for r in decode) / visits,
@@ -488,7 +490,8 @@ class System:
     """One started system (`shared.launch.start_system`) with `slots_per_layer` resident slots."""
 
     def __init__(self, store, *, name: str, slots_per_layer: int, io_workers: int, io_mode: str,
-                 working_slots: int | None, telemetry: TelemetryLog, expert_bytes: int) -> None:  # fmt: skip
+                 working_slots: int | None, telemetry: TelemetryLog, expert_bytes: int,
+                 compute_lanes: int | None = None) -> None:  # fmt: skip
         from coordinator.residency_plan import DEFAULT_EXPERT_WORKING_SLOTS
         from shared.launch import DEFAULT_KV_RESERVE_BYTES, start_system
 
@@ -499,7 +502,7 @@ class System:
         started = time.perf_counter()
         self.system = start_system(model_dir=store.model_dir, memory_budget=budget, io_workers=io_workers,
                                    working_slots=working, slots_per_layer=slots_per_layer, io_mode=io_mode,
-                                   kv_reserve_bytes=kv)  # fmt: skip
+                                   kv_reserve_bytes=kv, compute_lanes=compute_lanes)  # fmt: skip
         self.startup_s = time.perf_counter() - started
         self.jobs: list[dict[str, Any]] = []
         self.rss = 0
@@ -573,6 +576,7 @@ class System:
                 result[key] = median([t[key] for t in tele])
         if tele:
             result["per_layer"] = tele[len(tele) // 2]["per_layer"]
+            result["compute_lanes"] = tele[-1]["compute_lanes"]
         return result
 
 
@@ -617,6 +621,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--io-mode", choices=("auto", "direct", "buffered"), default="auto",
                      help="auto: buffered where the model is on tmpfs, else direct")  # fmt: skip
     run.add_argument("--working-slots", type=int, default=None)
+    run.add_argument("--compute-lanes", type=int, default=None,
+                     help="the GPU worker's --compute-lanes (default: its auto choice)")
     run.add_argument("--disk-experts", type=int, default=64, help="experts read per disk measurement")
     run.add_argument("--skip", default="", help="comma-separated parts to skip: resident,streaming")
     run.add_argument("--sequential", action="store_true",
@@ -636,6 +642,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--top-k must not exceed --experts")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
+    if args.compute_lanes is not None and not 1 <= args.compute_lanes <= MAX_COMPUTE_LANES:
+        parser.error(f"--compute-lanes must be in [1, {MAX_COMPUTE_LANES}], got {args.compute_lanes}")
     unknown = {p.strip() for p in args.skip.split(",") if p.strip()} - {"resident", "streaming"}
     if unknown:
         parser.error(f"--skip: unknown parts {sorted(unknown)}")
@@ -668,7 +676,7 @@ class Bench:
             1, round(store.experts_per_layer * self.args.resident_fraction))  # fmt: skip
         system = System(store, name=part, slots_per_layer=slots, io_workers=self.args.io_workers,
                         io_mode=self.io_mode, working_slots=self.args.working_slots, telemetry=self.telemetry,
-                        expert_bytes=self.expert_bytes)  # fmt: skip
+                        expert_bytes=self.expert_bytes, compute_lanes=self.args.compute_lanes)  # fmt: skip
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the
         # measured jobs then run from hits only); the streaming one reaches its steady state.
@@ -821,7 +829,8 @@ def print_report(report: dict[str, Any], say) -> None:
         s = report.get(part)
         if not s:
             continue
-        head = (f"{part} ({s['slots_per_layer']} slots per layer, {s['resident_fraction']:.0%} of the experts): "
+        head = (f"{part} ({s['slots_per_layer']} slots per layer, {s['resident_fraction']:.0%} of the experts, "
+                f"{s.get('compute_lanes', '?')} compute lanes): "
                 f"{s['decode_tok_s']:.3f} tok/s (runs {_fmt(s['decode_tok_s_runs'])})")  # fmt: skip
         if part == "resident":
             head += f" = {s['vs_mlx_lm']:.3f} x mlx-lm"

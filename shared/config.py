@@ -25,6 +25,8 @@ CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 IO_MODES = ("auto", "direct", "dontneed", "buffered")
 TEST_HOOKS = ("scribble_fenced", "verify_fenced")
+# The GPU worker's --compute-lanes bound (MLX streams for a decode wave's parts; gpuworker.lanes).
+MAX_COMPUTE_LANES = 16
 # sun_path is 108 bytes on Linux, 104 on macOS; keep a margin for the socket names.
 MAX_IPC_PATH = 100
 

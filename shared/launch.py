@@ -45,6 +45,7 @@ from shared.config import (
     CONFIG_FILE,
     IO_MODES,
     MANIFEST_FILE,
+    MAX_COMPUTE_LANES,
     MAX_IPC_PATH,
     TEST_HOOKS,
     Endpoints,
@@ -116,6 +117,7 @@ class _Options:
     python: str
     jobs_endpoint: str | None
     io_read_delay_ms: float
+    compute_lanes: int | None
 
 
 class RunningSystem:
@@ -230,8 +232,9 @@ class RunningSystem:
         assert self.config is not None
         options = self._options
         gpu = list(options.gpu_command or (options.python, "-m", "gpuworker"))
+        lanes = [] if options.compute_lanes is None else ["--compute-lanes", str(options.compute_lanes)]
         return spawn_child(GPU_WORKER, gpu + ["--model", self.config.model_dir, "--endpoint",
-                                              self.config.endpoints.gpu, "--log-level", options.log_level])
+                                              self.config.endpoints.gpu, "--log-level", options.log_level, *lanes])
 
     def _spawn_io_worker(self, index: int) -> ChildProcess:
         config = self.config
@@ -434,6 +437,7 @@ def start_system(
     python: str = sys.executable,
     jobs_endpoint: str | None = None,
     io_read_delay_ms: float = 0.0,
+    compute_lanes: int | None = None,
     cancel: Callable[[], bool] | None = None,
 ) -> RunningSystem:
     """Start coordinator, `io_workers` I/O workers and the GPU worker for `model_dir`; ready on return.
@@ -442,7 +446,8 @@ def start_system(
     pairs. `gpu_command` replaces `python -m gpuworker` (tests); the launcher appends
     `--model DIR --endpoint E --log-level L --death-fd N`. `jobs_endpoint` replaces
     `ipc://RUN_DIR/jobs` (see `check_jobs_endpoint`). `io_read_delay_ms` slows every I/O worker's
-    loads (tests). `cancel` is polled while waiting for readiness: True stops the launch
+    loads (tests). `compute_lanes`: the GPU worker's `--compute-lanes` (None: its auto choice,
+    `gpuworker.lanes.resolve_lanes`). `cancel` is polled while waiting for readiness: True stops the launch
     (`LaunchCancelled`), with everything it created removed.
     """
     if io_mode not in IO_MODES:
@@ -452,6 +457,9 @@ def start_system(
         raise ValueError(f"unknown test hook(s) {[h for h in hooks if h not in TEST_HOOKS]}; known: {list(TEST_HOOKS)}")
     if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
         raise ValueError(f"io_workers must be a positive integer, got {io_workers!r}")
+    if compute_lanes is not None and (isinstance(compute_lanes, bool) or not isinstance(compute_lanes, int)
+                                      or not 1 <= compute_lanes <= MAX_COMPUTE_LANES):
+        raise ValueError(f"compute_lanes must be None or an int in [1, {MAX_COMPUTE_LANES}], got {compute_lanes!r}")
     endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint)
     store = ExpertStore.open(model_dir, block_size=block_size)
     usage = os.path.abspath(os.fspath(usage_file)) if usage_file is not None else None
@@ -466,7 +474,8 @@ def start_system(
                   usage_file=usage)  # fmt: skip
     options = _Options(io_workers=io_workers, io_mode=io_mode, test_hooks=hooks, log_level=log_level,
                        start_timeout=float(start_timeout), gpu_command=tuple(gpu_command) if gpu_command else None,
-                       python=python, jobs_endpoint=endpoint, io_read_delay_ms=float(io_read_delay_ms))  # fmt: skip
+                       python=python, jobs_endpoint=endpoint, io_read_delay_ms=float(io_read_delay_ms),
+                       compute_lanes=compute_lanes)  # fmt: skip
     system = RunningSystem(store=store, plan=plan, run_dir=None if run_dir is None else os.fspath(run_dir),
                            owns_run_dir=run_dir is None, config_fields=fields, options=options)  # fmt: skip
     try:

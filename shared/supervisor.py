@@ -41,6 +41,7 @@ import zmq
 from coordinator.usage_path import default_usage_file
 from shared.budget import DEFAULT_KV_RESERVE_BYTES, BudgetError, auto_pins, parse_size
 from shared.children import CHILD_LOGGER, ChildProcess
+from shared.config import MAX_COMPUTE_LANES
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
 from shared.launch import (
     COORDINATOR,
@@ -90,6 +91,7 @@ class SupervisorOptions:
     kv_reserve: int = DEFAULT_KV_RESERVE_BYTES
     start_timeout: float = 120.0
     restart: RestartPolicy = RestartPolicy()
+    compute_lanes: int | None = None  # None: the GPU worker's auto choice
     test_io_read_delay_ms: float = 0.0
     test_hooks: tuple[str, ...] = ()
 
@@ -112,6 +114,15 @@ def _count(minimum: int):
         return value
 
     return parse
+
+
+def _lanes(text: str) -> int | None:
+    if text == "auto":
+        return None
+    value = _count(1)(text)
+    if value > MAX_COMPUTE_LANES:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_COMPUTE_LANES}, got {value}")
+    return value
 
 
 def _pins(text: str) -> int | str:
@@ -147,6 +158,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         help="upper bound on resident slots per sparse layer")
     add("--pinned-experts", type=_pins, default=0, metavar="N|auto")
     add("--io-mode", choices=("direct", "buffered"), default="direct")
+    add("--compute-lanes", type=_lanes, default=None, metavar="N|auto",
+        help="MLX streams a decode step's experts compute on (auto: 2 on a CPU with 2+ cores, else 1)")
     add("--run-dir", default=None, metavar="DIR", help="default: a fresh private directory")
     add("--endpoint", type=_endpoint, default=None, metavar="URL",
         help="jobs endpoint (default ipc://RUN_DIR/jobs; tcp://127.0.0.1:PORT allowed, loopback only)")
@@ -165,7 +178,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         run_dir=ns.run_dir, endpoint=ns.endpoint, usage_file=ns.usage_file, log_level=ns.log_level,
         kv_reserve=ns.kv_reserve, start_timeout=ns.start_timeout,
         restart=RestartPolicy(max_restarts=ns.max_restarts, window_s=ns.restart_window),
-        test_io_read_delay_ms=ns.test_io_read_delay_ms,
+        compute_lanes=ns.compute_lanes, test_io_read_delay_ms=ns.test_io_read_delay_ms,
         test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook))  # fmt: skip
 
 
@@ -425,7 +438,7 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 usage_file=options.usage_file, test_hooks=options.test_hooks, log_level=options.log_level,
                 kv_reserve_bytes=options.kv_reserve, start_timeout=options.start_timeout,
                 jobs_endpoint=options.endpoint, io_read_delay_ms=options.test_io_read_delay_ms,
-                cancel=signals.requested)  # fmt: skip
+                compute_lanes=options.compute_lanes, cancel=signals.requested)  # fmt: skip
             try:
                 sys.stdout.write(ready_line(system) + "\n")
                 sys.stdout.flush()

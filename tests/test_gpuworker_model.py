@@ -27,7 +27,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, save_config, save_model
 
 from gpuworker import streamed
-from gpuworker.lease_client import decode_parts
+from gpuworker.lanes import decode_parts, lane_stream
 from gpuworker.model import check_against_store, load_streamed_model, streamed_switches
 from gpuworker.slots import slot_arrays
 from gpuworker.streamed import ExpertProviderError, LeasedWave
@@ -566,11 +566,12 @@ def test_detached_waves_compute_asynchronously_and_stay_bit_identical(family, mo
 
 
 class PartedProvider(DetachedProvider):
-    """Decode waves in parts (1, 2, 4, ... ranks), each stacked in rank order when taken, into its
-    own buffer (the lease client's pool sets); prefill waves whole."""
+    """Decode waves in parts (`decode_parts` for `lanes` compute lanes), each stacked in rank order
+    when taken, into its own buffer (the lease client's pool sets); prefill waves whole."""
 
-    def __init__(self, experts, *, bank: int) -> None:
+    def __init__(self, experts, *, bank: int, lanes: int = 1) -> None:
         super().__init__(experts, bank=bank)
+        self.lanes = lanes
         self.parts_taken: list[tuple[int, int]] = []  # (part index, experts)
 
     def acquire(self, layer, routes):
@@ -580,7 +581,7 @@ class PartedProvider(DetachedProvider):
         [wave] = waves
         wave.discard()
         ranks = routes.reshape(-1).tolist()
-        parts = decode_parts(ranks)
+        parts = decode_parts(ranks, lanes=self.lanes)
 
         def take_part(index: int) -> dict[str, mx.array]:
             self.parts_taken.append((index, len(parts[index])))
@@ -588,22 +589,31 @@ class PartedProvider(DetachedProvider):
             return {name: array[order] for name, array in self.experts[layer].items()}
 
         return [LeasedWave(ranks, lambda: None, lease=wave.lease, stacked=True, detached=True, parts=parts,
-                           take_part=take_part)]  # fmt: skip
+                           take_part=take_part, part_lanes=[j % self.lanes for j in range(len(parts))])]  # fmt: skip
 
 
+@pytest.mark.parametrize("lanes", [1, 2], ids=["1lane", "2lanes"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_parts_compute_bit_identically(family, quantized, models):
+def test_decode_parts_compute_bit_identically(family, quantized, lanes, models, monkeypatch):
     path = models(family, quantized)
     oracle, config = load_model(path)
     top_k = config.get("num_experts_per_tok") or config["experts_per_token"]
-    provider = PartedProvider(_experts_of(oracle), bank=10**6)
+    provider = PartedProvider(_experts_of(oracle), bank=10**6, lanes=lanes)
     model, _ = load_streamed_model(path, provider=provider)
     want_tokens, want_lp = _greedy(oracle, PROMPT)
+    used: set[int] = set()
+
+    def recording_lane_stream(lane: int) -> mx.Stream:
+        used.add(lane)
+        return lane_stream(lane)
+
+    monkeypatch.setattr(streamed, "lane_stream", recording_lane_stream)
     got_tokens, got_lp = _greedy(model, PROMPT)
     assert got_tokens == want_tokens
     assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))  # bit for bit
-    sizes = [len(part) for part in decode_parts(range(top_k))]
+    assert used == set(range(lanes))  # the parts ran on every lane (distinct streams: test_lanes)
+    sizes = [len(part) for part in decode_parts(range(top_k), lanes=lanes)]
     assert len(sizes) >= 2 and sum(sizes) == top_k
     # Every decode visit took its parts in order, one after the other.
     assert provider.parts_taken[: len(sizes)] == list(enumerate(sizes))
@@ -626,8 +636,6 @@ def test_parts_are_checked():
     with pytest.raises(ExpertProviderError, match="already taken"):
         wave.take()  # parts started: the whole wave is no longer there
     assert wave.take_part(1) is tensors and wave.taken
-    assert [len(p) for p in decode_parts(range(8))] == [1, 2, 5]
-    assert decode_parts([7]) == () and decode_parts([3, 9]) == ((3,), (9,))
 
 
 def test_parts_that_are_not_the_route_ranks_are_refused_and_fenced(models):

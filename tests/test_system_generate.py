@@ -92,20 +92,39 @@ def _check_against(result, want) -> float:
 # Token-exact against mlx-lm, every family, full precision and 4-bit
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_generation_equals_mlx_lm(family, quantized, models, caplog, record_property):
+def _lanes_of_jobs(records) -> list[tuple[int, list[int]]]:
+    """(compute lanes, decode parts per lane) of each job's GPU worker telemetry line (its
+    stderr is forwarded)."""
+    found = []
+    for record in records:
+        match = re.search(r"lease telemetry: (\{.*\})", record.getMessage())
+        if match:
+            telemetry = json.loads(match.group(1))
+            found.append((telemetry["compute_lanes"], telemetry["lane_parts"]))
+    return found
+
+
+# Two compute lanes (what auto picks on a 2-core CPU) everywhere, stated so that a machine with
+# one core tests them too; one lane for one family, full precision and 4-bit.
+@pytest.mark.parametrize(("family", "quantized", "lanes"), [
+    pytest.param(family, quantized, lanes, id=f"{family}-{'q4' if quantized else 'fp32'}-{lanes}lanes")
+    for family, lanes in [*((family, 2) for family in FAMILIES), (FAMILIES[0], 1)] for quantized in (False, True)])
+def test_generation_equals_mlx_lm(family, quantized, lanes, models, caplog, record_property):
     caplog.set_level(logging.INFO)
     path = models(family, quantized)
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
-    with _start(path) as system:
+    with _start(path, compute_lanes=lanes) as system:
         plan = system.plan
         assert (plan.working_slots, plan.slots_per_layer, plan.pinned_slots) == (store.top_k, 1, 0)
         assert plan.planned_bytes == tight_budget(store)
         first = run_job(system, max_tokens=GENERATED)
         second = run_job(system, max_tokens=GENERATED)  # from the residency the first job left
         hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
+        job_lanes = wait_for(lambda: len(found := _lanes_of_jobs(caplog.records)) == 2 and found)
+    assert [count for count, _ in job_lanes] == [lanes, lanes]
+    # Every lane got decode parts (top-k >= 2 experts per decode step are cut into parts).
+    assert all(len(parts) == lanes and min(parts) > 0 for _, parts in job_lanes), job_lanes
     differences = [_check_against(result, want) for result in (first, second)]
     assert max(differences) <= RTOL
     stats = first.done.stats
@@ -116,7 +135,7 @@ def test_generation_equals_mlx_lm(family, quantized, models, caplog, record_prop
     assert second.done.stats.misses > 0 and second.done.stats.evictions > 0
     assert hooks, "the coordinator never reported its test hooks"
     assert hooks["violations"] == 0 and hooks["scribbled"] > 0 and hooks["verified"] > 0 and hooks["restored"] > 0
-    figures = dict(family=family, quantized=quantized, max_rel_logprob_diff=max(differences), hits=stats.hits,
+    figures = dict(family=family, quantized=quantized, lanes=lanes, max_rel_logprob_diff=max(differences), hits=stats.hits,
                    misses=stats.misses, evictions=stats.evictions, all_resident=stats.all_resident,
                    bytes_read=stats.bytes_read, finish=first.done.finish_reason, hooks=hooks)  # fmt: skip
     record_property("figures", json.dumps(figures))
