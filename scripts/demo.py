@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--memory-budget", type=int, default=None, help="bytes (default: the demo's budget)")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--compute-lanes", default="auto", help="the launcher's --compute-lanes (N or auto)")
     args = parser.parse_args(argv)
 
     model = ensure_demo_model()
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "--working-slots", str(2 * model.sizes.top_k),
         "--kv-reserve", DEMO_KV_RESERVE,
         "--log-level", args.log_level,
+        "--compute-lanes", args.compute_lanes,
     ]  # fmt: skip
     supervisor = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
