@@ -11,7 +11,8 @@ Lane 0 is the current default stream, the one the model runs on (mlx-lm's
 `generate_step` runs on a stream of its own); lane i > 0 is a stream of its
 own on the default device, made on first use and kept for the process. On a GPU
 (Metal, CUDA) one device runs every stream, so `resolve_lanes` picks one
-lane there unless told otherwise.
+lane there unless told otherwise. `decode_parts` cuts a decode wave into the
+parts the lanes take turns on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from shared.config import MAX_COMPUTE_LANES as MAX_LANES
 
 __all__ = ["AUTO_CPU_LANES", "MAX_LANES", "available_cores", "decode_parts", "lane_stream", "resolve_lanes"]
 
-# Two lanes were measured here (2 vCPUs: an 8-expert decode MoE 1.7-1.8x faster, bit for bit);
+# Two lanes were measured on 2 vCPUs (decode about 1.2-1.3x faster end to end, bit for bit);
 # more cores may take more lanes, which `--compute-lanes` allows but auto does not pick untested.
 AUTO_CPU_LANES = 2
 _STREAMS: dict[tuple[int, str], mx.Stream] = {}  # (lane, device name) -> the lane's stream
