@@ -23,8 +23,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from shared.config import MAX_COMPUTE_LANES as MAX_LANES
+from shared.config import check_compute_lanes
 
-__all__ = ["AUTO_CPU_LANES", "MAX_LANES", "available_cores", "decode_parts", "lane_stream", "resolve_lanes"]
+__all__ = ["AUTO_CPU_LANES", "MAX_LANES", "available_cores", "decode_parts", "lane_stream", "part_lanes",
+           "resolve_lanes"]
 
 # Two lanes were measured on 2 vCPUs (decode about 1.2-1.3x faster end to end, bit for bit);
 # more cores may take more lanes, which `--compute-lanes` allows but auto does not pick untested.
@@ -44,9 +46,7 @@ def resolve_lanes(requested: int | None) -> tuple[int, str]:
     """(lanes, why): `requested` when given (1..MAX_LANES), else auto: up to AUTO_CPU_LANES on
     the CPU device, bounded by the cores available, and 1 on a GPU."""
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or not 1 <= requested <= MAX_LANES:
-            raise ValueError(f"compute lanes must be an int in [1, {MAX_LANES}], got {requested!r}")
-        return requested, "requested"
+        return check_compute_lanes(requested, name="compute lanes"), "requested"
     device = mx.default_device()
     if device.type != mx.DeviceType.cpu:
         return 1, f"auto: {device} runs every stream on one device"
@@ -96,3 +96,8 @@ def decode_parts(experts: Sequence[int], *, lanes: int = 1) -> tuple[tuple[int, 
             start += size
         size *= 2
     return tuple(parts)
+
+
+def part_lanes(parts: int, lanes: int) -> tuple[int, ...]:
+    """The lane of each of `parts` decode parts: part j runs on lane j % lanes (`decode_parts`)."""
+    return tuple(j % lanes for j in range(parts))

@@ -37,9 +37,10 @@ import mlx.core as mx
 import numpy as np
 
 from gpuworker.channel import Channel, LeaseError, ParentGone, WorkerStopping
-from gpuworker.lanes import MAX_LANES, decode_parts
+from gpuworker.lanes import decode_parts, part_lanes
 from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, slot_arrays, stacked_slot_arrays, zero_copy_supported
 from gpuworker.streamed import ExpertProviderError, LeasedWave
+from shared.config import check_compute_lanes
 from shared.gpu_messages import Fence, Fenced, Lease, RouteMatrix, Routes
 
 __all__ = [
@@ -124,9 +125,7 @@ class LeaseClient:
                  compute_lanes: int = 1) -> None:  # fmt: skip
         if working_slots < 1:
             raise ValueError(f"working_slots must be >= 1, got {working_slots}")
-        if isinstance(compute_lanes, bool) or not isinstance(compute_lanes, int) or not 1 <= compute_lanes <= MAX_LANES:
-            raise ValueError(f"compute_lanes must be an int in [1, {MAX_LANES}], got {compute_lanes!r}")
-        self.compute_lanes = compute_lanes  # decode parts run on this many MLX streams (copy path)
+        self.compute_lanes = check_compute_lanes(compute_lanes)  # decode parts run on this many MLX streams (copy path)
         self.channel = channel
         self.store = store
         self.buffer = buffer
@@ -203,7 +202,7 @@ class LeaseClient:
             raise
         if parts:
             whole = lambda: self._wrap(layer, waves[0], lease)  # noqa: E731  (a module that takes it whole)
-            lanes = tuple(j % self.compute_lanes for j in range(len(parts)))
+            lanes = part_lanes(len(parts), self.compute_lanes)
             return [_make_wave(visit, 0, whole, parts=parts, part_lanes=lanes,
                                take_part=lambda index: self._wrap_part(layer, parts[index], index, lease,
                                                                        lane=lanes[index]))]  # fmt: skip

@@ -36,6 +36,7 @@ from gpuworker.lanes import MAX_LANES, resolve_lanes
 from gpuworker.lease_client import LeaseClient
 from gpuworker.slots import ZERO_COPY
 from gpuworker.model import check_against_store, load_streamed_model
+from shared.config import check_compute_lanes
 from shared.gpu_messages import (
     GPU_WORKER_ACCEPTS,
     MAX_ROUTE_ROWS,
@@ -120,8 +121,11 @@ def parse_args(argv: Sequence[str] | None = None) -> GpuWorkerConfig:
                         help=f"MLX streams a decode wave's experts compute on, 1..{MAX_LANES} "
                              "(default: auto, 2 on a CPU with 2+ cores, else 1)")  # fmt: skip
     ns = parser.parse_args(argv)
-    if ns.compute_lanes is not None and not 1 <= ns.compute_lanes <= MAX_LANES:
-        parser.error(f"--compute-lanes must be in [1, {MAX_LANES}], got {ns.compute_lanes}")
+    if ns.compute_lanes is not None:
+        try:
+            check_compute_lanes(ns.compute_lanes, name="--compute-lanes")
+        except ValueError as error:
+            parser.error(str(error))
     for name in ("handshake_timeout", "reply_timeout", "prefill_step_size"):
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")

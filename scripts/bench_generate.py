@@ -85,7 +85,7 @@ except ImportError:  # run from a checkout without the editable install
 
 import mlx.core as mx
 
-from shared.config import MAX_COMPUTE_LANES
+from shared.config import check_compute_lanes
 from shared.demo_model import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
 logger = logging.getLogger("bench_generate")
@@ -642,8 +642,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--top-k must not exceed --experts")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
-    if args.compute_lanes is not None and not 1 <= args.compute_lanes <= MAX_COMPUTE_LANES:
-        parser.error(f"--compute-lanes must be in [1, {MAX_COMPUTE_LANES}], got {args.compute_lanes}")
+    if args.compute_lanes is not None:
+        try:
+            check_compute_lanes(args.compute_lanes, name="--compute-lanes")
+        except ValueError as error:
+            parser.error(str(error))
     unknown = {p.strip() for p in args.skip.split(",") if p.strip()} - {"resident", "streaming"}
     if unknown:
         parser.error(f"--skip: unknown parts {sorted(unknown)}")

@@ -31,6 +31,14 @@ MAX_COMPUTE_LANES = 16
 MAX_IPC_PATH = 100
 
 
+def check_compute_lanes(value: object, *, name: str = "compute_lanes") -> int:
+    """`value` if it is a lane count (an int in [1, MAX_COMPUTE_LANES]); else ValueError naming
+    `name` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COMPUTE_LANES:
+        raise ValueError(f"{name} must be in [1, {MAX_COMPUTE_LANES}] (an int), got {value!r}")
+    return value
+
+
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the field."""
 

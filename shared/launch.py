@@ -45,12 +45,12 @@ from shared.config import (
     CONFIG_FILE,
     IO_MODES,
     MANIFEST_FILE,
-    MAX_COMPUTE_LANES,
     MAX_IPC_PATH,
     TEST_HOOKS,
     Endpoints,
     RunConfig,
     SlabSpec,
+    check_compute_lanes,
     ipc_path,
     run_endpoints,
     write_config,
@@ -457,9 +457,8 @@ def start_system(
         raise ValueError(f"unknown test hook(s) {[h for h in hooks if h not in TEST_HOOKS]}; known: {list(TEST_HOOKS)}")
     if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
         raise ValueError(f"io_workers must be a positive integer, got {io_workers!r}")
-    if compute_lanes is not None and (isinstance(compute_lanes, bool) or not isinstance(compute_lanes, int)
-                                      or not 1 <= compute_lanes <= MAX_COMPUTE_LANES):
-        raise ValueError(f"compute_lanes must be None or an int in [1, {MAX_COMPUTE_LANES}], got {compute_lanes!r}")
+    if compute_lanes is not None:
+        check_compute_lanes(compute_lanes)
     endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint)
     store = ExpertStore.open(model_dir, block_size=block_size)
     usage = os.path.abspath(os.fspath(usage_file)) if usage_file is not None else None

@@ -41,7 +41,7 @@ import zmq
 from coordinator.usage_path import default_usage_file
 from shared.budget import DEFAULT_KV_RESERVE_BYTES, BudgetError, auto_pins, parse_size
 from shared.children import CHILD_LOGGER, ChildProcess
-from shared.config import MAX_COMPUTE_LANES
+from shared.config import check_compute_lanes
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
 from shared.launch import (
     COORDINATOR,
@@ -119,10 +119,10 @@ def _count(minimum: int):
 def _lanes(text: str) -> int | None:
     if text == "auto":
         return None
-    value = _count(1)(text)
-    if value > MAX_COMPUTE_LANES:
-        raise argparse.ArgumentTypeError(f"must be <= {MAX_COMPUTE_LANES}, got {value}")
-    return value
+    try:
+        return check_compute_lanes(_count(1)(text), name="N")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _pins(text: str) -> int | str:

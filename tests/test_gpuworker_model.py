@@ -27,7 +27,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, save_config, save_model
 
 from gpuworker import streamed
-from gpuworker.lanes import decode_parts, lane_stream
+from gpuworker.lanes import decode_parts, lane_stream, part_lanes
 from gpuworker.model import check_against_store, load_streamed_model, streamed_switches
 from gpuworker.slots import slot_arrays
 from gpuworker.streamed import ExpertProviderError, LeasedWave
@@ -589,7 +589,7 @@ class PartedProvider(DetachedProvider):
             return {name: array[order] for name, array in self.experts[layer].items()}
 
         return [LeasedWave(ranks, lambda: None, lease=wave.lease, stacked=True, detached=True, parts=parts,
-                           take_part=take_part, part_lanes=[j % self.lanes for j in range(len(parts))])]  # fmt: skip
+                           take_part=take_part, part_lanes=part_lanes(len(parts), self.lanes))]  # fmt: skip
 
 
 @pytest.mark.parametrize("lanes", [1, 2], ids=["1lane", "2lanes"])
