@@ -82,8 +82,16 @@ class StaleGenerationError(BackendStateError):
 class ExpertLoadError(RuntimeError):
     """A load that failed; names the slot, generation and, for a read error, file and offset."""
 
-    def __init__(self, message: str, *, slot: int, generation: int, code: str | None = None,
-                 file: int | None = None, offset: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        *,
+        slot: int,
+        generation: int,
+        code: str | None = None,
+        file: int | None = None,
+        offset: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.slot, self.generation, self.code, self.file, self.offset = slot, generation, code, file, offset
 
@@ -150,7 +158,7 @@ class _Worker:
     modes: tuple[str, ...] = ()
     outstanding: set[tuple[int, int]] = field(default_factory=set)
     hints_sent: int = 0
-    hint_status: HintStatus = HintStatus()
+    hint_status: HintStatus = field(default_factory=HintStatus)
     telemetry_waiters: list[asyncio.Future[WorkerTelemetry]] = field(default_factory=list)
 
 
@@ -211,9 +219,17 @@ class IOWorkerBackend:
     for `workers` workers to become ready. Only `wait` is asynchronous.
     """
 
-    def __init__(self, *, slab: Slab, endpoint: str, workers: int, files: int | None = None,
-                 hint_capacity: int = 64, context: zmq.asyncio.Context | None = None,
-                 replacement_grace_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        slab: Slab,
+        endpoint: str,
+        workers: int,
+        files: int | None = None,
+        hint_capacity: int = 64,
+        context: zmq.asyncio.Context | None = None,
+        replacement_grace_s: float | None = None,
+    ) -> None:
         self._slab = slab
         self._grace = _grace(replacement_grace_s)
         self._expected = require_int(workers, "workers", minimum=1)
@@ -221,8 +237,13 @@ class IOWorkerBackend:
         self._hint_capacity = require_int(hint_capacity, "hint_capacity", minimum=1)
         self._context = context or zmq.asyncio.Context.instance()
         self._sock = self._context.socket(zmq.ROUTER)
-        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES), (zmq.SNDHWM, 0),
-                              (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1)):  # fmt: skip
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
+            (zmq.SNDHWM, 0),
+            (zmq.RCVHWM, 0),
+            (zmq.ROUTER_MANDATORY, 1),
+        ):
             # No ROUTER_HANDOVER: a second peer reusing a live worker's identity is refused.
             self._sock.setsockopt(option, value)
         try:
@@ -266,9 +287,7 @@ class IOWorkerBackend:
                 raise IOWorkerStartError("I/O workers failed to start:\n" + "\n".join(reasons))
             if time.monotonic() > deadline:
                 ready = sorted(i for i, w in self._workers.items() if w.ready)
-                raise IOWorkerStartError(
-                    f"only I/O workers {ready} of {self._expected} were ready after {timeout} s"
-                )
+                raise IOWorkerStartError(f"only I/O workers {ready} of {self._expected} were ready after {timeout} s")
             await asyncio.sleep(0.01)
         self._started = True
 
@@ -387,8 +406,7 @@ class IOWorkerBackend:
             raise BackendStateError(f"discard of slot {slot} generation {generation} refused: it is leased")
         if record.phase == "loading":
             raise BackendStateError(
-                f"discard of slot {slot} generation {generation} refused: its load is in flight "
-                f"(cancel and wait first)"
+                f"discard of slot {slot} generation {generation} refused: its load is in flight (cancel and wait first)"
             )
         record.phase, record.load, record.consumer = "idle", None, None
 
@@ -488,8 +506,7 @@ class IOWorkerBackend:
         self._counts["workers_lost"] += 1
         orphans = sorted(worker.outstanding)
         worker.outstanding.clear()
-        logger.error("I/O worker %d (pid %d) lost with %d loads in flight: %s", index, worker.pid, len(orphans),
-                     reason)  # fmt: skip
+        logger.error("I/O worker %d (pid %d) lost with %d loads in flight: %s", index, worker.pid, len(orphans), reason)
         moved: dict[int, int] = {}
         for slot, generation in orphans:
             record = self._records[slot]
@@ -506,8 +523,10 @@ class IOWorkerBackend:
                 self._counts["resubmitted"] += 1
             moved[load.worker] = moved.get(load.worker, 0) + 1
         if moved:
-            where = ", ".join(f"{n} waiting for a restarted worker" if i < 0 else f"{n} to I/O worker {i}"
-                              for i, n in sorted(moved.items()))  # fmt: skip
+            where = ", ".join(
+                f"{n} waiting for a restarted worker" if i < 0 else f"{n} to I/O worker {i}"
+                for i, n in sorted(moved.items())
+            )
             logger.warning("re-submitted the in-flight loads of lost I/O worker %d: %s", index, where)
         for future in worker.telemetry_waiters:
             if not future.done():
@@ -592,8 +611,9 @@ class IOWorkerBackend:
             for slot, load in sorted(self._parked.items()):
                 if load.parked_until is not None and now >= load.parked_until:
                     del self._parked[slot]
-                    self._fail(slot, load, f"every I/O worker was lost and none came back within {self._grace:g} s",
-                               code=LOST)  # fmt: skip
+                    self._fail(
+                        slot, load, f"every I/O worker was lost and none came back within {self._grace:g} s", code=LOST
+                    )
 
     def _hints_outstanding(self, worker: _Worker) -> int:
         return worker.hints_sent - worker.hint_status.completed - worker.hint_status.dropped
@@ -614,8 +634,16 @@ class IOWorkerBackend:
         logger.warning("message to I/O worker %d dropped: %s", worker.index, error)
         return False
 
-    def _fail(self, slot: int, load: _Load, message: str, *, code: str | None = None,
-              file: int | None = None, offset: int | None = None) -> None:  # fmt: skip
+    def _fail(
+        self,
+        slot: int,
+        load: _Load,
+        message: str,
+        *,
+        code: str | None = None,
+        file: int | None = None,
+        offset: int | None = None,
+    ) -> None:
         record = self._records[slot]
         text = f"load of slot {slot} generation {load.generation} failed: {message}"
         load.error = ExpertLoadError(text, slot=slot, generation=load.generation, code=code, file=file, offset=offset)
@@ -707,8 +735,12 @@ class IOWorkerBackend:
         key = (reply.slot, reply.generation)
         if key not in worker.outstanding:
             self._counts["stale_completions"] += 1
-            logger.info("ignored stale completion of slot %d generation %d from I/O worker %d",
-                        reply.slot, reply.generation, worker.index)  # fmt: skip
+            logger.info(
+                "ignored stale completion of slot %d generation %d from I/O worker %d",
+                reply.slot,
+                reply.generation,
+                worker.index,
+            )
             return
         worker.outstanding.discard(key)
         record = self._records[reply.slot]
@@ -717,13 +749,18 @@ class IOWorkerBackend:
             self._counts["stale_completions"] += 1
             return
         if not reply.ok:
-            return self._fail(reply.slot, load, reply.error or "unknown error", code=reply.code,
-                              file=reply.file, offset=reply.offset)  # fmt: skip
+            return self._fail(
+                reply.slot, load, reply.error or "unknown error", code=reply.code, file=reply.file, offset=reply.offset
+            )
         load.completion = LoadCompletion(
-            slot=reply.slot, generation=reply.generation, worker=worker.index, bytes=reply.bytes,
-            service_ms=reply.service_ms, queued_ms=reply.queued_ms,
+            slot=reply.slot,
+            generation=reply.generation,
+            worker=worker.index,
+            bytes=reply.bytes,
+            service_ms=reply.service_ms,
+            queued_ms=reply.queued_ms,
             latency_ms=(time.monotonic() - load.submitted) * 1e3,
-        )  # fmt: skip
+        )
         record.phase = "ready"
         self._counts["completed"] += 1
         self._counts["bytes"] += reply.bytes

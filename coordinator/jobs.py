@@ -102,8 +102,11 @@ class FrontDoorLimits:
     @classmethod
     def for_model(cls, config: Mapping[str, Any], *, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> FrontDoorLimits:
         """Limits from a model's config.json (a `text_config` inside it counts too)."""
-        return cls(queue_limit=queue_limit, context_tokens=_positive(config, "max_position_embeddings"),
-                   vocab_size=_positive(config, "vocab_size"))  # fmt: skip
+        return cls(
+            queue_limit=queue_limit,
+            context_tokens=_positive(config, "max_position_embeddings"),
+            vocab_size=_positive(config, "vocab_size"),
+        )
 
 
 def _positive(config: Mapping[str, Any], key: str) -> int | None:
@@ -139,8 +142,10 @@ def validate(request: Generate, limits: FrontDoorLimits) -> tuple[str, str] | No
         if not tokens:
             return BAD_REQUEST, "prompt_tokens is empty"
         if limits.context_tokens is not None and len(tokens) > limits.context_tokens:
-            return PROMPT_TOO_LONG, (f"the prompt has {len(tokens)} tokens; the model's context is "
-                                     f"{limits.context_tokens} (max_position_embeddings)")  # fmt: skip
+            return PROMPT_TOO_LONG, (
+                f"the prompt has {len(tokens)} tokens; the model's context is "
+                f"{limits.context_tokens} (max_position_embeddings)"
+            )
         if limits.vocab_size is not None and max(tokens) >= limits.vocab_size:
             return BAD_REQUEST, f"prompt token {max(tokens)} is outside the vocabulary of {limits.vocab_size}"
     # A text prompt's token count is the GPU worker's to check (it tokenizes): prompt_too_long.
@@ -182,8 +187,11 @@ class JobFrontDoor:
         identity, payload = frames[0], frames[1]
         size = sum(len(frame) for frame in frames[1:])
         if size > self._limits.max_request_bytes:
-            self._reply_error(identity, TOO_LARGE, f"request of {size} bytes refused unread; at most "
-                              f"{self._limits.max_request_bytes} bytes are accepted")  # fmt: skip
+            self._reply_error(
+                identity,
+                TOO_LARGE,
+                f"request of {size} bytes refused unread; at most {self._limits.max_request_bytes} bytes are accepted",
+            )
             return
         try:
             fields = unpack_map(payload)
@@ -196,8 +204,9 @@ class JobFrontDoor:
         raw_id = fields.get("id")
         request_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= MAX_ID_CHARS else ""
         if len(frames) != 2:
-            self._reply_error(identity, BAD_REQUEST, f"expected one frame per message, got {len(frames) - 1}",
-                              request_id)  # fmt: skip
+            self._reply_error(
+                identity, BAD_REQUEST, f"expected one frame per message, got {len(frames) - 1}", request_id
+            )
             return
         try:
             request = decode(payload, COORDINATOR_ACCEPTS_FROM_CLIENTS)
@@ -242,8 +251,14 @@ class JobFrontDoor:
 
     def stats(self, request_id: str) -> StatsReply:
         running = self._running.request.id if self._running is not None else None
-        return StatsReply(id=request_id, jobs_done=self._done, jobs_failed=self._failed, queued=len(self._queue),
-                          running=running, stats=self._host.cumulative_stats())  # fmt: skip
+        return StatsReply(
+            id=request_id,
+            jobs_done=self._done,
+            jobs_failed=self._failed,
+            queued=len(self._queue),
+            running=running,
+            stats=self._host.cumulative_stats(),
+        )
 
     # ------------------------------------------------------------ the GPU
 
@@ -253,9 +268,16 @@ class JobFrontDoor:
             return
         job = self._queue.popleft()
         request = job.request
-        message = Job(job_id=job.job_id, prompt=request.prompt, prompt_tokens=request.prompt_tokens,
-                      max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                      seed=request.seed, return_logprobs=request.return_logprobs)  # fmt: skip
+        message = Job(
+            job_id=job.job_id,
+            prompt=request.prompt,
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            return_logprobs=request.return_logprobs,
+        )
         self._running = job
         job.started_at = time.monotonic()
         self._host.begin_job(job.job_id)
@@ -283,8 +305,13 @@ class JobFrontDoor:
         if isinstance(message, Token):
             if job.client_gone or job.failure is not None:
                 return  # the job is being stopped; nobody should see more of it
-            event = TokenEvent(id=job.request.id, index=message.index, token=message.token, text=message.text,
-                               logprobs=message.logprobs)  # fmt: skip
+            event = TokenEvent(
+                id=job.request.id,
+                index=message.index,
+                token=message.token,
+                text=message.text,
+                logprobs=message.logprobs,
+            )
             if self._send(job.identity, event):
                 job.relayed += 1
         elif isinstance(message, JobDone):
@@ -316,8 +343,9 @@ class JobFrontDoor:
             self._finishing = False
         self.poke()
 
-    def _answer(self, job: _Job, done: JobDone | None, failure: tuple[str, str] | None, problem: str | None,
-                stats: JobStats) -> None:  # fmt: skip
+    def _answer(
+        self, job: _Job, done: JobDone | None, failure: tuple[str, str] | None, problem: str | None, stats: JobStats
+    ) -> None:
         request_id = job.request.id
         if failure is None and problem is not None:
             failure = (HOOK_VIOLATION, problem)
@@ -328,16 +356,22 @@ class JobFrontDoor:
         else:
             self._done += 1
         if job.client_gone:
-            logger.info("job %d (%r) ended after its client disconnected: %d tokens delivered", job.job_id,
-                        request_id, job.relayed)  # fmt: skip
+            logger.info(
+                "job %d (%r) ended after its client disconnected: %d tokens delivered",
+                job.job_id,
+                request_id,
+                job.relayed,
+            )
         elif failure is not None:
             logger.warning("job %d (%r) failed: %s: %s", job.job_id, request_id, *failure)
             self._reply_error(job.identity, failure[0], failure[1], request_id)
         else:
             assert done is not None
             logger.info("job %d (%r) done: %d tokens, %s", job.job_id, request_id, len(done.tokens), stats)
-            self._send(job.identity, Done(id=request_id, tokens=done.tokens, text=done.text,
-                                          finish_reason=done.finish_reason, stats=stats))  # fmt: skip
+            self._send(
+                job.identity,
+                Done(id=request_id, tokens=done.tokens, text=done.text, finish_reason=done.finish_reason, stats=stats),
+            )
 
     def shutdown(self, code: str, message: str) -> None:
         """Answer every queued and running job with `error` (the coordinator is stopping)."""
@@ -358,8 +392,9 @@ class JobFrontDoor:
 
     def _find(self, identity: bytes, request_id: str) -> _Job | None:
         jobs = ([self._running] if self._running is not None else []) + list(self._queue)
-        return next((j for j in jobs if j.identity == identity and j.request.id == request_id and not j.client_gone),
-                    None)  # fmt: skip
+        return next(
+            (j for j in jobs if j.identity == identity and j.request.id == request_id and not j.client_gone), None
+        )
 
     def _send(self, identity: bytes, message: object) -> bool:
         if self._host.send_client(identity, message):
@@ -379,8 +414,11 @@ class JobFrontDoor:
             self._queue.remove(queued)
         if dropped:
             self._failed += len(dropped)
-            logger.warning("dropped %d queued job(s) of a disconnected client: %s", len(dropped),
-                           [queued.request.id for queued in dropped])  # fmt: skip
+            logger.warning(
+                "dropped %d queued job(s) of a disconnected client: %s",
+                len(dropped),
+                [queued.request.id for queued in dropped],
+            )
 
     def _reply_error(self, identity: bytes, code: str, message: str, request_id: str = "") -> None:
         self._send(identity, JobFailed(code=code, message=message, id=request_id))

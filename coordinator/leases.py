@@ -95,8 +95,9 @@ def _refuse(message: str, code: str = BAD_REQUEST) -> LeaseRefused:
 class LeaseService:
     """Serves one GPU worker's lease protocol over an ExpertResidencyManager."""
 
-    def __init__(self, *, manager: ExpertResidencyManager, experts_per_layer: int,
-                 working_slots: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, *, manager: ExpertResidencyManager, experts_per_layer: int, working_slots: int | None = None
+    ) -> None:
         self._manager = manager
         self._experts = int(experts_per_layer)
         self._working = int(working_slots if working_slots is not None else manager.plan.working_slots)
@@ -145,16 +146,21 @@ class LeaseService:
         if top >= self._experts or bottom < 0:
             top = top if top >= self._experts else bottom
             row, rank = (int(i) for i in np.argwhere(routes == top)[0])
-            raise _refuse(f"routes for layer {layer}: row {row} rank {rank} names expert {top}; "
-                          f"the layer has experts 0..{self._experts - 1}")  # fmt: skip
+            raise _refuse(
+                f"routes for layer {layer}: row {row} rank {rank} names expert {top}; "
+                f"the layer has experts 0..{self._experts - 1}"
+            )
         held = self._held
         if message.fence is not None:
             if held is None or held.lease_id != message.fence:
-                raise _refuse(f"routes for layer {layer} piggyback fence of lease {message.fence}, "
-                              f"but {self._describe_held()}")  # fmt: skip
+                raise _refuse(
+                    f"routes for layer {layer} piggyback fence of lease {message.fence}, but {self._describe_held()}"
+                )
         elif held is not None:
-            raise _refuse(f"routes for layer {layer} while lease {held.lease_id} (layer {held.visit.layer} "
-                          f"wave {held.wave}) is still held; fence it first")  # fmt: skip
+            raise _refuse(
+                f"routes for layer {layer} while lease {held.lease_id} (layer {held.visit.layer} "
+                f"wave {held.wave}) is still held; fence it first"
+            )
         if held is None and self._manager.active:  # a wave active without a lease: an internal failure
             raise _refuse("the residency manager still has an active wave", INTERNAL)
 
@@ -172,8 +178,10 @@ class LeaseService:
             raise _refuse(f"fence of lease {message.lease_id}, but {self._describe_held()}")
         last = len(held.visit.waves) - 1
         if message.next and held.wave >= last:
-            raise _refuse(f"fence of lease {message.lease_id} asks for the next wave, but wave {held.wave} "
-                          f"is the last of {last + 1} of layer {held.visit.layer}")  # fmt: skip
+            raise _refuse(
+                f"fence of lease {message.lease_id} asks for the next wave, but wave {held.wave} "
+                f"is the last of {last + 1} of layer {held.visit.layer}"
+            )
         self._release(held, ended=not message.next)
         if message.next:
             return await self._acquire(held.visit, held.wave + 1)
@@ -186,8 +194,14 @@ class LeaseService:
         held = self._held
         if held is None:
             return None
-        logger.warning("releasing lease %d (layer %d wave %d, slots %s) on behalf of the lost GPU worker: %s",
-                       held.lease_id, held.visit.layer, held.wave, list(self.held_slots), reason)  # fmt: skip
+        logger.warning(
+            "releasing lease %d (layer %d wave %d, slots %s) on behalf of the lost GPU worker: %s",
+            held.lease_id,
+            held.visit.layer,
+            held.wave,
+            list(self.held_slots),
+            reason,
+        )
         try:
             self._release(held, ended=True)
         except LeaseRefused as failure:
@@ -207,14 +221,23 @@ class LeaseService:
         counts = self._counts
         evictions, pressure, repins = counts.baseline
         stats = LeaseStats(
-            visits=counts.visits, all_resident_visits=counts.all_resident_visits, waves=counts.waves,
-            abandoned_waves=counts.abandoned_waves, hits=telemetry.hits, misses=telemetry.misses,
-            loads=telemetry.loads, bytes_read=telemetry.read_bytes,
-            disk_p50_ms=telemetry.disk_service.p50_ms, disk_p99_ms=telemetry.disk_service.p99_ms,
-            wait_p50_ms=telemetry.foreground_wait.p50_ms, wait_p99_ms=telemetry.foreground_wait.p99_ms,
-            evictions=snap.evictions - evictions, pressure_evictions=snap.pressure_evictions - pressure,
-            repin_swaps=snap.repin_swaps - repins, refused=counts.refused,
-        )  # fmt: skip
+            visits=counts.visits,
+            all_resident_visits=counts.all_resident_visits,
+            waves=counts.waves,
+            abandoned_waves=counts.abandoned_waves,
+            hits=telemetry.hits,
+            misses=telemetry.misses,
+            loads=telemetry.loads,
+            bytes_read=telemetry.read_bytes,
+            disk_p50_ms=telemetry.disk_service.p50_ms,
+            disk_p99_ms=telemetry.disk_service.p99_ms,
+            wait_p50_ms=telemetry.foreground_wait.p50_ms,
+            wait_p99_ms=telemetry.foreground_wait.p99_ms,
+            evictions=snap.evictions - evictions,
+            pressure_evictions=snap.pressure_evictions - pressure,
+            repin_swaps=snap.repin_swaps - repins,
+            refused=counts.refused,
+        )
         self._counts = _Counts(baseline=(snap.evictions, snap.pressure_evictions, snap.repin_swaps))
         return stats
 
@@ -241,10 +264,15 @@ class LeaseService:
             visit.missed = True
         entries = lease.entries
         return Lease(
-            lease_id=self._last_id, layer=visit.layer, wave=wave, waves=len(visit.waves),
-            experts=tuple(e.expert_id for e in entries), slots=tuple(e.slot for e in entries),
-            generations=tuple(e.generation for e in entries), hits=hits,
-        )  # fmt: skip
+            lease_id=self._last_id,
+            layer=visit.layer,
+            wave=wave,
+            waves=len(visit.waves),
+            experts=tuple(e.expert_id for e in entries),
+            slots=tuple(e.slot for e in entries),
+            generations=tuple(e.generation for e in entries),
+            hits=hits,
+        )
 
     def _release(self, held: _Held, *, ended: bool) -> None:
         self._held = None

@@ -71,8 +71,13 @@ JOBS_MAX_MESSAGE_BYTES = 2 * MAX_REQUEST_BYTES + 8 * 1024 * 1024
 
 def _router(context: zmq.asyncio.Context, endpoint: str, max_bytes: int) -> zmq.asyncio.Socket:
     sock = context.socket(zmq.ROUTER)
-    for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, max_bytes), (zmq.SNDHWM, 0),
-                          (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1)):  # fmt: skip
+    for option, value in (
+        (zmq.LINGER, 0),
+        (zmq.MAXMSGSIZE, max_bytes),
+        (zmq.SNDHWM, 0),
+        (zmq.RCVHWM, 0),
+        (zmq.ROUTER_MANDATORY, 1),
+    ):
         sock.setsockopt(option, value)
     try:
         sock.bind(endpoint)
@@ -103,31 +108,55 @@ class _GpuSession:
 class Coordinator:
     """The running coordinator's state; the job front door's `JobHost`."""
 
-    def __init__(self, *, config: RunConfig, store: ExpertStore, slab: Slab, io: IOWorkerBackend,
-                 gpu_sock: zmq.asyncio.Socket, jobs_sock: zmq.asyncio.Socket,
-                 ledger: ExpertUsageLedger | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        store: ExpertStore,
+        slab: Slab,
+        io: IOWorkerBackend,
+        gpu_sock: zmq.asyncio.Socket,
+        jobs_sock: zmq.asyncio.Socket,
+        ledger: ExpertUsageLedger | None,
+    ) -> None:
         self.config, self.store, self.slab, self.ledger = config, store, slab, ledger
         self.io, self.gpu_sock, self.jobs_sock = io, gpu_sock, jobs_sock
         self.gpu = _GpuSession()
         self.hooked = wrap_backend(io, config.test_hooks, slab=slab)
         self.timer = LoadTimer()
         if config.test_footprint_offset_bytes:
-            logger.warning("TEST KNOB: %d bytes are added to every measured footprint",
-                           config.test_footprint_offset_bytes)  # fmt: skip
-        self.meter = FootprintMeter(slab=slab, pids=self._pids, dense_bytes=lambda: self.gpu.dense_bytes,
-                                    interval_s=config.footprint_interval_ms / 1e3,
-                                    offset=config.test_footprint_offset_bytes)  # fmt: skip
+            logger.warning(
+                "TEST KNOB: %d bytes are added to every measured footprint", config.test_footprint_offset_bytes
+            )
+        self.meter = FootprintMeter(
+            slab=slab,
+            pids=self._pids,
+            dense_bytes=lambda: self.gpu.dense_bytes,
+            interval_s=config.footprint_interval_ms / 1e3,
+            offset=config.test_footprint_offset_bytes,
+        )
         self.backend = MeteredBackend(self.hooked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
-        self.manager = ExpertResidencyManager(plan=config.plan, sparse_layer_ids=store.sparse_layers,
-                                              backend=self.backend, locate=store.locate,
-                                              pinned=[tuple(pair) for pair in config.pinned], usage=ledger)  # fmt: skip
+        self.manager = ExpertResidencyManager(
+            plan=config.plan,
+            sparse_layer_ids=store.sparse_layers,
+            backend=self.backend,
+            locate=store.locate,
+            pinned=[tuple(pair) for pair in config.pinned],
+            usage=ledger,
+        )
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
-        self.safepoints = SafePoints(manager=self.manager, backend=self.backend, meter=self.meter, ledger=ledger,
-                                     tolerance=config.pressure_tolerance_bytes,
-                                     flush_interval_s=config.usage_flush_s)  # fmt: skip
+        self.safepoints = SafePoints(
+            manager=self.manager,
+            backend=self.backend,
+            meter=self.meter,
+            ledger=ledger,
+            tolerance=config.pressure_tolerance_bytes,
+            flush_interval_s=config.usage_flush_s,
+        )
         self.book = JobBook(leases=self.leases, manager=self.manager, meter=self.meter, timer=self.timer)
-        self.front = JobFrontDoor(host=self, limits=FrontDoorLimits.for_model(store.config,
-                                                                              queue_limit=config.queue_limit))
+        self.front = JobFrontDoor(
+            host=self, limits=FrontDoorLimits.for_model(store.config, queue_limit=config.queue_limit)
+        )
         self.io_ready = False
         self.stopping = False
         self._violations = 0
@@ -141,8 +170,12 @@ class Coordinator:
         if self.config.pinned:
             await self.manager.preload_pinned()
             preload = self.manager.drain_policy_telemetry()  # not the first live repin's
-            logger.info("preloaded %d pinned experts: %d loads, %d bytes read", len(self.config.pinned),
-                        preload.loads, preload.read_bytes)  # fmt: skip
+            logger.info(
+                "preloaded %d pinned experts: %d loads, %d bytes read",
+                len(self.config.pinned),
+                preload.loads,
+                preload.read_bytes,
+            )
         self.io_ready = True
         logger.info("%d I/O workers ready", self.config.io_workers)
         self.front.poke()
@@ -174,7 +207,9 @@ class Coordinator:
     async def _gpu_message(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             if len(frames) > 2:
-                self._send(self.gpu_sock, frames[0], ErrorReply(BAD_REQUEST, f"expected one frame, got {len(frames) - 1}"))
+                self._send(
+                    self.gpu_sock, frames[0], ErrorReply(BAD_REQUEST, f"expected one frame, got {len(frames) - 1}")
+                )
             return
         identity, payload = frames
         try:
@@ -187,8 +222,11 @@ class Coordinator:
             await self._gpu_hello(identity, message)
             return
         if identity != self.gpu.identity:
-            self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, f"{message.OP} before gpu_hello "
-                                                           "(or from a GPU worker that was replaced)"))  # fmt: skip
+            self._send(
+                self.gpu_sock,
+                identity,
+                ErrorReply(BAD_REQUEST, f"{message.OP} before gpu_hello (or from a GPU worker that was replaced)"),
+            )
             return
         if isinstance(message, GpuReady):
             self._gpu_ready(identity, message)
@@ -234,21 +272,38 @@ class Coordinator:
 
     def _welcome(self, identity: bytes) -> None:
         plan = self.config.plan
-        self._send(self.gpu_sock, identity, GpuWelcome(slab_name=self.slab.name, total_slots=plan.total_slots,
-                                                       slot_bytes=plan.slot_bytes, working_slots=plan.working_slots,
-                                                       block_size=self.store.block_size))  # fmt: skip
+        self._send(
+            self.gpu_sock,
+            identity,
+            GpuWelcome(
+                slab_name=self.slab.name,
+                total_slots=plan.total_slots,
+                slot_bytes=plan.slot_bytes,
+                working_slots=plan.working_slots,
+                block_size=self.store.block_size,
+            ),
+        )
 
     def _gpu_ready(self, identity: bytes, ready: GpuReady) -> None:
         if tuple(ready.sparse_layers) != tuple(self.store.sparse_layers):
-            message = (f"GPU worker's sparse layers {list(ready.sparse_layers)} are not the store's "
-                       f"{list(self.store.sparse_layers)}")  # fmt: skip
+            message = (
+                f"GPU worker's sparse layers {list(ready.sparse_layers)} are not the store's "
+                f"{list(self.store.sparse_layers)}"
+            )
             logger.error("%s", message)
             self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
             return
-        self.gpu = _GpuSession(epoch=self.gpu.epoch, identity=identity, pid=self.gpu.pid, ready=True,
-                               dense_bytes=ready.dense_bytes, wrap_path=ready.wrap_path)  # fmt: skip
-        logger.info("GPU worker pid %d ready: %d dense bytes, wrap path %s", ready.pid, ready.dense_bytes,
-                    ready.wrap_path)  # fmt: skip
+        self.gpu = _GpuSession(
+            epoch=self.gpu.epoch,
+            identity=identity,
+            pid=self.gpu.pid,
+            ready=True,
+            dense_bytes=ready.dense_bytes,
+            wrap_path=ready.wrap_path,
+        )
+        logger.info(
+            "GPU worker pid %d ready: %d dense bytes, wrap path %s", ready.pid, ready.dense_bytes, ready.wrap_path
+        )
         self.meter.sample(force=True)  # its baseline: Python, libraries, tokenizer and the dense weights
         self.front.poke()
 
@@ -273,8 +328,14 @@ class Coordinator:
         return self.io_ready and self.gpu.ready and not self.stopping
 
     def health(self, request_id: str) -> HealthReply:
-        return HealthReply(id=request_id, ready=self.ready(), pid=os.getpid(), io_workers=len(self.io.worker_modes()),
-                           gpu_worker=self.gpu.ready, accepting=not self.stopping)  # fmt: skip
+        return HealthReply(
+            id=request_id,
+            ready=self.ready(),
+            pid=os.getpid(),
+            io_workers=len(self.io.worker_modes()),
+            gpu_worker=self.gpu.ready,
+            accepting=not self.stopping,
+        )
 
     def begin_job(self, job_id: int) -> None:
         self.book.begin()
@@ -291,8 +352,14 @@ class Coordinator:
         violations = self._hook_violations() - self._violations
         if isinstance(self.hooked, HookedBackend):
             hooked = self.hooked
-            logger.info("test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
-                        job_id, hooked.scribbles, hooked.restores, hooked.verified, hooked.violations)  # fmt: skip
+            logger.info(
+                "test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
+                job_id,
+                hooked.scribbles,
+                hooked.restores,
+                hooked.verified,
+                hooked.violations,
+            )
         problem = None
         if violations:
             messages = self.hooked.messages[-violations:] if isinstance(self.hooked, HookedBackend) else []
@@ -346,8 +413,10 @@ class Coordinator:
 
 def _check(config: RunConfig, store: ExpertStore) -> None:
     if store.slot_bytes != config.plan.slot_bytes or len(store.sparse_layers) != config.plan.sparse_layers:
-        raise ValueError(f"the store ({store.slot_bytes}-byte slots, {len(store.sparse_layers)} sparse layers) does "
-                         f"not match the plan ({config.plan.slot_bytes}, {config.plan.sparse_layers})")  # fmt: skip
+        raise ValueError(
+            f"the store ({store.slot_bytes}-byte slots, {len(store.sparse_layers)} sparse layers) does "
+            f"not match the plan ({config.plan.slot_bytes}, {config.plan.sparse_layers})"
+        )
     if len(store.manifest) != config.manifest_files:
         raise ValueError(f"the store has {len(store.manifest)} files; the manifest {config.manifest_files}")
 
@@ -359,6 +428,7 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if death_fd is not None:
+
         def on_death() -> None:
             try:
                 data = os.read(death_fd, 64)
@@ -383,20 +453,41 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
         store = ExpertStore.open(config.model_dir, block_size=config.block_size)
         _check(config, store)
         if config.usage_file:
-            ledger = ExpertUsageLedger.open(config.usage_file, layers=store.sparse_layers,
-                                            experts_per_layer=store.experts_per_layer)  # fmt: skip
-        io = IOWorkerBackend(slab=slab, endpoint=config.endpoints.io, workers=config.io_workers,
-                             files=len(store.manifest), context=context)  # fmt: skip
+            ledger = ExpertUsageLedger.open(
+                config.usage_file, layers=store.sparse_layers, experts_per_layer=store.experts_per_layer
+            )
+        io = IOWorkerBackend(
+            slab=slab,
+            endpoint=config.endpoints.io,
+            workers=config.io_workers,
+            files=len(store.manifest),
+            context=context,
+        )
         sockets.append(_router(context, config.endpoints.gpu, GPU_MAX_MESSAGE_BYTES))
         sockets.append(_router(context, config.endpoints.jobs, JOBS_MAX_MESSAGE_BYTES))
-        coordinator = Coordinator(config=config, store=store, slab=slab, io=io, gpu_sock=sockets[0],
-                                  jobs_sock=sockets[1], ledger=ledger)  # fmt: skip
-        logger.info("serving %s: %d slots of %d bytes (%d working, %d per layer, %d pinned); jobs at %s",
-                    config.model_dir, config.plan.total_slots, config.plan.slot_bytes, config.plan.working_slots,
-                    config.plan.slots_per_layer, config.plan.pinned_slots, config.endpoints.jobs)  # fmt: skip
-        tasks = [loop.create_task(coro, name=coro.__name__) for coro in (
-            coordinator.start_io(), coordinator.serve_gpu(), coordinator.serve_jobs(), coordinator.watch_gpu(),
-            coordinator.safepoints.flush_periodically())]
+        coordinator = Coordinator(
+            config=config, store=store, slab=slab, io=io, gpu_sock=sockets[0], jobs_sock=sockets[1], ledger=ledger
+        )
+        logger.info(
+            "serving %s: %d slots of %d bytes (%d working, %d per layer, %d pinned); jobs at %s",
+            config.model_dir,
+            config.plan.total_slots,
+            config.plan.slot_bytes,
+            config.plan.working_slots,
+            config.plan.slots_per_layer,
+            config.plan.pinned_slots,
+            config.endpoints.jobs,
+        )
+        tasks = [
+            loop.create_task(coro, name=coro.__name__)
+            for coro in (
+                coordinator.start_io(),
+                coordinator.serve_gpu(),
+                coordinator.serve_jobs(),
+                coordinator.watch_gpu(),
+                coordinator.safepoints.flush_periodically(),
+            )
+        ]
         stopper = loop.create_task(stop.wait(), name="stop")
         pending = {stopper, *tasks}
         while stopper in pending:
@@ -448,8 +539,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
     try:
         config = read_config(args.config)
     except ValueError as error:

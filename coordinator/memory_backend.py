@@ -90,16 +90,12 @@ class InMemoryBackend:
     def slots(self) -> int:
         return len(self._slots)
 
-    def submit_segments(
-        self, slot: int, generation: int, segments: Sequence[ExpertIOSegment]
-    ) -> None:
+    def submit_segments(self, slot: int, generation: int, segments: Sequence[ExpertIOSegment]) -> None:
         record = self._get(slot)
         if record.state in ("loading", "leased"):
             raise BackendProtocolError(f"submit into slot {slot} while {record.state}")
         if generation <= record.generation:
-            raise BackendProtocolError(
-                f"slot {slot} generation {generation} is not newer than {record.generation}"
-            )
+            raise BackendProtocolError(f"slot {slot} generation {generation} is not newer than {record.generation}")
         record.state = "loading"
         record.generation = generation
         record.segments = tuple(segments)
@@ -207,9 +203,7 @@ class InMemoryBackend:
         self._failures.append(predicate)
 
     def fail_next(self, action: Literal["cancel", "release", "discard"], slot: int) -> None:
-        {"cancel": self._fail_cancel, "release": self._fail_release, "discard": self._fail_discard}[
-            action
-        ].add(slot)
+        {"cancel": self._fail_cancel, "release": self._fail_release, "discard": self._fail_discard}[action].add(slot)
 
     def state(self, slot: int) -> tuple[SlotState, int]:
         record = self._get(slot)
@@ -229,9 +223,7 @@ class InMemoryBackend:
     def _current(self, slot: int, generation: int) -> _Slot:
         record = self._get(slot)
         if record.generation != generation:
-            raise BackendProtocolError(
-                f"stale generation {generation} for slot {slot} (current {record.generation})"
-            )
+            raise BackendProtocolError(f"stale generation {generation} for slot {slot} (current {record.generation})")
         return record
 
     def _log(self, action: str, slot: int, generation: int) -> None:

@@ -16,7 +16,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
-from coordinator.residency_plan import (  # noqa: F401  (re-exported API)
+from coordinator.residency_plan import (
     DEFAULT_EXPERT_WORKING_SLOTS,
     EMPTY_HINT_SNAPSHOT,
     ExpertIOHintSegment,
@@ -34,10 +34,8 @@ from coordinator.residency_plan import (  # noqa: F401  (re-exported API)
     require_int,
     summarize_expert_latencies,
 )
-from coordinator.slot_table import SlotRecord, SlotTable
-from coordinator.residency_types import (  # noqa: F401  (re-exported API)
+from coordinator.residency_types import (
     Classification,
-    IOCounters,
     ExpertDemandTelemetry,
     ExpertHintTelemetry,
     ExpertPolicyTelemetry,
@@ -45,10 +43,12 @@ from coordinator.residency_types import (  # noqa: F401  (re-exported API)
     ExpertResidencyLeaseEntry,
     ExpertResidencyMapEntry,
     ExpertResidencySnapshot,
+    IOCounters,
     ResidencyError,
     ResidencyPressureError,
     StaleLeaseError,
 )
+from coordinator.slot_table import SlotRecord, SlotTable
 
 Locate = Callable[[int, int], ExpertResidencyLocation]
 RouteObserver = Callable[[int, object], None]
@@ -58,9 +58,7 @@ BeforeMissSubmit = Callable[[tuple[ExpertResidencyLeaseEntry, ...]], Awaitable[N
 class ExpertBatchLease:
     """The slots of one wave; release exactly once, after the fence."""
 
-    def __init__(
-        self, manager: ExpertResidencyManager, entries: Iterable[ExpertResidencyLeaseEntry]
-    ) -> None:
+    def __init__(self, manager: ExpertResidencyManager, entries: Iterable[ExpertResidencyLeaseEntry]) -> None:
         self._manager: ExpertResidencyManager | None = manager
         self.entries: tuple[ExpertResidencyLeaseEntry, ...] = tuple(entries)
 
@@ -102,17 +100,13 @@ class ExpertResidencyManager:
                 f"layers exactly once, got {list(layer_ids)}"
             )
         if backend.slots != plan.total_slots:
-            raise ValueError(
-                f"expert backend has {backend.slots} slots; plan requires {plan.total_slots}"
-            )
+            raise ValueError(f"expert backend has {backend.slots} slots; plan requires {plan.total_slots}")
         pins = [
             (require_int(layer, "pinned layer"), require_int(expert, "pinned expert id"))
             for layer, expert in (pinned or ())
         ]
         if len(pins) != plan.pinned_slots:
-            raise ValueError(
-                f"expert pinned set has {len(pins)} entries; plan reserves {plan.pinned_slots}"
-            )
+            raise ValueError(f"expert pinned set has {len(pins)} entries; plan reserves {plan.pinned_slots}")
         if len(set(pins)) != len(pins):
             duplicate = next(pin for pin in pins if pins.count(pin) > 1)
             raise ValueError(f"duplicate pinned expert {duplicate[0]}:{duplicate[1]}")
@@ -154,9 +148,7 @@ class ExpertResidencyManager:
         for _ in range(plan.working_slots):
             self._working.add(self._table.new_slot("working", None).id)
         for layer in layer_ids:
-            self._layer_slots[layer] = {
-                self._table.new_slot("layer", layer).id for _ in range(plan.slots_per_layer)
-            }
+            self._layer_slots[layer] = {self._table.new_slot("layer", layer).id for _ in range(plan.slots_per_layer)}
         while len(self._slots) < plan.total_slots:
             self._table.new_slot("pinned", None)
 
@@ -187,8 +179,7 @@ class ExpertResidencyManager:
             raise ValueError(f"expert block must already be deduplicated, got {unique}")
         if len(unique) > self.plan.working_slots:
             raise ValueError(
-                f"expert block has {len(unique)} unique experts; working capacity is "
-                f"{self.plan.working_slots}"
+                f"expert block has {len(unique)} unique experts; working capacity is {self.plan.working_slots}"
             )
 
         counters = self._demand if classification == "demand" else self._policy
@@ -220,9 +211,7 @@ class ExpertResidencyManager:
                 key=lambda record: record.id,
             )
             if len(scratch) < len(misses):
-                raise ResidencyError(
-                    f"working tier has {len(scratch)} free slots for {len(misses)} misses"
-                )
+                raise ResidencyError(f"working tier has {len(scratch)} free slots for {len(misses)} misses")
             submitted_at: dict[int, float] = {}
             for expert, record in zip(misses, scratch):
                 if record.phase == "ready":
@@ -230,8 +219,7 @@ class ExpertResidencyManager:
                 location = self._locate(layer, expert)
                 if location.layer != layer or location.expert_id != expert:
                     raise ResidencyError(
-                        f"expert locator returned {location.layer}:{location.expert_id} "
-                        f"for {layer}:{expert}"
+                        f"expert locator returned {location.layer}:{location.expert_id} for {layer}:{expert}"
                     )
                 generation = self._generation + 1
                 self._backend.submit_segments(record.id, generation, location.segments)
@@ -303,7 +291,7 @@ class ExpertResidencyManager:
             try:
                 self._backend.release_gpu_fenced(record.id, record.generation)
                 record.phase = "ready"
-            except Exception as error:  # noqa: BLE001 - collected and re-raised below
+            except Exception as error:
                 errors.append(error)
                 self._table.disable(record)
         if errors:
@@ -321,9 +309,7 @@ class ExpertResidencyManager:
             for entry in misses:
                 record = self._slots[entry.slot]
                 if (entry.layer, entry.expert_id) in self._pinned_keys:
-                    target = next(
-                        (s for s in self._slots if s.role == "pinned" and s.phase == "idle"), None
-                    )
+                    target = next((s for s in self._slots if s.role == "pinned" and s.phase == "idle"), None)
                     if target is not None:
                         self._table.swap_roles(record, target, "pinned", None)
                         promoted.add(record.id)
@@ -356,9 +342,7 @@ class ExpertResidencyManager:
             candidates = [
                 record
                 for record in self._slots
-                if record.role == "layer"
-                and record.phase == "ready"
-                and len(self._layer_slots[record.layer]) > 1
+                if record.role == "layer" and record.phase == "ready" and len(self._layer_slots[record.layer]) > 1
             ]
             if not candidates:
                 break
@@ -457,7 +441,7 @@ class ExpertResidencyManager:
                 if hint is None:
                     raise ResidencyError("expert backend has no advisory hint queue")
                 hint(segments)
-            except Exception:  # noqa: BLE001 - advisory by design; counted
+            except Exception:
                 self._hint_submit_errors += 1
 
     def record_routes(self, layer: int, routes) -> None:
@@ -589,7 +573,7 @@ class ExpertResidencyManager:
                 if drain.done() and drain.cancelled():
                     break
                 cancelled = again
-            except Exception:  # noqa: BLE001 - a cancelled or failed read still ends the load
+            except Exception:
                 break
         if drain.done() and not drain.cancelled():
             drain.exception()  # retrieved: the outcome is irrelevant here
@@ -612,7 +596,7 @@ class ExpertResidencyManager:
                     try:
                         self._backend.release_gpu_fenced(record.id, record.generation)
                         record.phase = "ready"
-                    except Exception as cleanup_error:  # noqa: BLE001
+                    except Exception as cleanup_error:
                         errors.append(cleanup_error)
                         self._table.disable(record)
             for record in loaded:
@@ -621,7 +605,7 @@ class ExpertResidencyManager:
                 if record.phase == "loading":
                     try:
                         self._backend.cancel(record.id, record.generation)
-                    except Exception as cleanup_error:  # noqa: BLE001 - the load may have finished
+                    except Exception as cleanup_error:
                         errors.append(cleanup_error)
                     # The slot must be quiescent before it can be reused, so the
                     # drain outlasts a further cancellation; that one re-raises below.

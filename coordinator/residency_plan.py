@@ -99,9 +99,7 @@ class ExpertResidencyBackend(Protocol):
     @property
     def slots(self) -> int: ...
 
-    def submit_segments(
-        self, slot: int, generation: int, segments: Sequence[ExpertIOSegment]
-    ) -> None: ...
+    def submit_segments(self, slot: int, generation: int, segments: Sequence[ExpertIOSegment]) -> None: ...
 
     async def wait(self, slot: int, generation: int) -> None: ...
 
@@ -158,9 +156,7 @@ def plan_expert_residency(
         minimum=1,
     )
     pinned = require_int(0 if pinned_experts is None else pinned_experts, "pinned_experts")
-    cap = None if max_slots_per_layer is None else require_int(
-        max_slots_per_layer, "max_slots_per_layer", minimum=1
-    )
+    cap = None if max_slots_per_layer is None else require_int(max_slots_per_layer, "max_slots_per_layer", minimum=1)
 
     mandatory_bytes = (working + pinned + layers) * slot
     if fixed + mandatory_bytes > budget:
@@ -244,10 +240,7 @@ def build_expert_batch_union(
                 raise type(error)(f"route {row} rank {rank} has invalid expert {expert!r}") from None
             consumers.setdefault(expert_id, []).append((row, rank))
     entries = [ExpertUnionEntry(expert, tuple(users)) for expert, users in consumers.items()]
-    return [
-        ExpertUnionWave(tuple(entries[begin : begin + limit]))
-        for begin in range(0, len(entries), limit)
-    ]
+    return [ExpertUnionWave(tuple(entries[begin : begin + limit])) for begin in range(0, len(entries), limit)]
 
 
 def build_expert_hint_segments(
@@ -266,9 +259,7 @@ def build_expert_hint_segments(
     for segment in segments:
         skip = max(0, scale - segment.destination)
         if skip < segment.length:
-            hints.append(
-                ExpertIOHintSegment(segment.file, segment.offset + skip, segment.length - skip)
-            )
+            hints.append(ExpertIOHintSegment(segment.file, segment.offset + skip, segment.length - skip))
     return hints
 
 

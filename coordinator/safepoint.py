@@ -79,9 +79,17 @@ def process_private_bytes(pid: int) -> int:
 class FootprintMeter:
     """The footprint of the module docstring, sampled at most every `interval_s`."""
 
-    def __init__(self, *, slab: Slab, pids: Callable[[], Sequence[int]], dense_bytes: Callable[[], int],
-                 interval_s: float, offset: int = 0, read: Callable[[int], int] = process_private_bytes,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        slab: Slab,
+        pids: Callable[[], Sequence[int]],
+        dense_bytes: Callable[[], int],
+        interval_s: float,
+        offset: int = 0,
+        read: Callable[[int], int] = process_private_bytes,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._slab, self._pids, self._dense, self._read, self._clock = slab, pids, dense_bytes, read, clock
         self._interval = interval_s
         self._offset = offset
@@ -133,8 +141,10 @@ class FootprintMeter:
 
     def describe(self) -> str:
         offset = f" + test offset {self._offset}" if self._offset else ""
-        return (f"dense weights {self._dense()} + slab resident {self.slab_bytes()} + process growth "
-                f"{self.growth()}{offset}")  # fmt: skip
+        return (
+            f"dense weights {self._dense()} + slab resident {self.slab_bytes()} + process growth "
+            f"{self.growth()}{offset}"
+        )
 
 
 class MeteredBackend:
@@ -215,17 +225,27 @@ class PressureReport:
     detail: str  # what the footprint is made of, after
 
     def message(self) -> str:
-        return (f"the physical footprint {self.after} bytes exceeds the memory budget {self.budget} bytes "
-                f"(+{self.tolerance} tolerance) and pressure correction cannot lower it: it evicted "
-                f"{len(self.evicted)} resident experts and nothing evictable remains ({self.detail})")  # fmt: skip
+        return (
+            f"the physical footprint {self.after} bytes exceeds the memory budget {self.budget} bytes "
+            f"(+{self.tolerance} tolerance) and pressure correction cannot lower it: it evicted "
+            f"{len(self.evicted)} resident experts and nothing evictable remains ({self.detail})"
+        )
 
 
 class SafePoints:
     """The coordinator's safe-point policy over the manager, the meter and the ledger."""
 
-    def __init__(self, *, manager: ExpertResidencyManager, backend: MeteredBackend, meter: FootprintMeter,
-                 ledger: ExpertUsageLedger | None, tolerance: int, flush_interval_s: float,
-                 repin_limit: int = REPIN_SWAPS_PER_PASS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        manager: ExpertResidencyManager,
+        backend: MeteredBackend,
+        meter: FootprintMeter,
+        ledger: ExpertUsageLedger | None,
+        tolerance: int,
+        flush_interval_s: float,
+        repin_limit: int = REPIN_SWAPS_PER_PASS,
+    ) -> None:
         self._manager, self._backend, self._meter, self._ledger = manager, backend, meter, ledger
         self._budget = manager.plan.budget_bytes
         self._tolerance = tolerance
@@ -256,15 +276,30 @@ class SafePoints:
         finally:
             self._backend.releasing = False
         left = self._resident()
-        evicted = tuple(sorted((layer, expert, slot) for (layer, expert), slot in resident.items()
-                               if (layer, expert) not in left))  # fmt: skip
+        evicted = tuple(
+            sorted((layer, expert, slot) for (layer, expert), slot in resident.items() if (layer, expert) not in left)
+        )
         after = self._backend.physical_footprint()
-        report = PressureReport(before=before, after=after, budget=self._budget, tolerance=self._tolerance,
-                                evicted=evicted, failed=after > limit, detail=self._meter.describe())  # fmt: skip
-        logger.warning("memory pressure: footprint %d bytes > budget %d (+%d tolerance); evicted %d resident "
-                       "experts (layer:expert@slot) %s; footprint now %d bytes (%s)", before, self._budget,
-                       self._tolerance, len(evicted), " ".join(f"{l}:{e}@{s}" for l, e, s in evicted) or "-",
-                       after, report.detail)  # fmt: skip
+        report = PressureReport(
+            before=before,
+            after=after,
+            budget=self._budget,
+            tolerance=self._tolerance,
+            evicted=evicted,
+            failed=after > limit,
+            detail=self._meter.describe(),
+        )
+        logger.warning(
+            "memory pressure: footprint %d bytes > budget %d (+%d tolerance); evicted %d resident "
+            "experts (layer:expert@slot) %s; footprint now %d bytes (%s)",
+            before,
+            self._budget,
+            self._tolerance,
+            len(evicted),
+            " ".join(f"{layer}:{e}@{s}" for layer, e, s in evicted) or "-",
+            after,
+            report.detail,
+        )
         if report.failed:
             logger.error("%s", report.message())
         return report
@@ -293,16 +328,31 @@ class SafePoints:
             try:
                 event = await self._manager.apply_repin(candidate)
             except (ResidencyError, OSError, RuntimeError) as error:  # I/O or a stale candidate: skip it
-                logger.warning("live repin of layer %d %d -> %d failed: %s", candidate.layer,
-                               candidate.cold_expert_id, candidate.hot_expert_id, error)  # fmt: skip
+                logger.warning(
+                    "live repin of layer %d %d -> %d failed: %s",
+                    candidate.layer,
+                    candidate.cold_expert_id,
+                    candidate.hot_expert_id,
+                    error,
+                )
                 continue
             swaps += 1
-            logger.info("live repin: layer %d pin %d -> %d (gain %d)", event.layer, event.evicted_pin,
-                        event.admitted_pin, event.gain)  # fmt: skip
+            logger.info(
+                "live repin: layer %d pin %d -> %d (gain %d)",
+                event.layer,
+                event.evicted_pin,
+                event.admitted_pin,
+                event.gain,
+            )
         if candidates:
             policy = self._manager.drain_policy_telemetry()
-            logger.info("live repin: %d of %d swaps, %d loads, %d bytes read", swaps, len(candidates), policy.loads,
-                        policy.read_bytes)  # fmt: skip
+            logger.info(
+                "live repin: %d of %d swaps, %d loads, %d bytes read",
+                swaps,
+                len(candidates),
+                policy.loads,
+                policy.read_bytes,
+            )
         return swaps
 
     # --------------------------------------------------------------- the ledger
@@ -336,5 +386,11 @@ class SafePoints:
         return {(e.layer, e.expert_id): e.slot for e in self._manager.residency_map() if e.tier == "resident"}
 
 
-__all__ = ["REPIN_SWAPS_PER_PASS", "FootprintMeter", "MeteredBackend", "PressureReport", "SafePoints",
-           "process_private_bytes"]  # fmt: skip
+__all__ = [
+    "REPIN_SWAPS_PER_PASS",
+    "FootprintMeter",
+    "MeteredBackend",
+    "PressureReport",
+    "SafePoints",
+    "process_private_bytes",
+]

@@ -57,9 +57,9 @@ class SlotTable:
 
     def forget(self, record: SlotRecord, *, keep_layer: bool = False) -> None:
         """Discard a ready slot's contents and its lookup entry; it becomes idle."""
-        if record.layer is not None and record.expert_id is not None:
-            if self.lookup.get((record.layer, record.expert_id)) == record.id:
-                del self.lookup[(record.layer, record.expert_id)]
+        key = (record.layer, record.expert_id)
+        if record.layer is not None and record.expert_id is not None and self.lookup.get(key) == record.id:
+            del self.lookup[key]
         self.backend.discard(record.id, record.generation)
         record.phase = "idle"
         record.expert_id = None
@@ -69,7 +69,7 @@ class SlotTable:
     def try_forget(self, record: SlotRecord, errors: list[BaseException]) -> None:
         try:
             self.forget(record)
-        except Exception as error:  # noqa: BLE001 - collected by the caller
+        except Exception as error:
             errors.append(error)
             self.disable(record)
 
@@ -112,9 +112,9 @@ class SlotTable:
 
     def disable(self, record: SlotRecord) -> None:
         """Retire a slot whose state the backend could not confirm."""
-        if record.layer is not None and record.expert_id is not None:
-            if self.lookup.get((record.layer, record.expert_id)) == record.id:
-                del self.lookup[(record.layer, record.expert_id)]
+        key = (record.layer, record.expert_id)
+        if record.layer is not None and record.expert_id is not None and self.lookup.get(key) == record.id:
+            del self.lookup[key]
         self.working.discard(record.id)
         if record.layer is not None and record.layer in self.layer_slots:
             self.layer_slots[record.layer].discard(record.id)

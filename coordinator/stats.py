@@ -151,19 +151,29 @@ def job_stats(job: JobFigures) -> JobStats:
         generated_tokens=len(done.tokens) if done else job.relayed_tokens,
         prefill_tok_s=_rate(done.prompt_tokens, done.prefill_ms) if done else 0.0,
         decode_tok_s=_rate(len(done.tokens), done.decode_ms) if done else 0.0,
-        hits=lease.hits, misses=lease.misses, hit_rate=lease.hits / served if served else 0.0,
-        all_resident=lease.all_resident, bytes_read=lease.bytes_read,
-        disk_p50_ms=nearest_rank(disk, 0.5), disk_p99_ms=nearest_rank(disk, 0.99),
-        wait_p50_ms=nearest_rank(wait, 0.5), wait_p99_ms=nearest_rank(wait, 0.99),
+        hits=lease.hits,
+        misses=lease.misses,
+        hit_rate=lease.hits / served if served else 0.0,
+        all_resident=lease.all_resident,
+        bytes_read=lease.bytes_read,
+        disk_p50_ms=nearest_rank(disk, 0.5),
+        disk_p99_ms=nearest_rank(disk, 0.99),
+        wait_p50_ms=nearest_rank(wait, 0.5),
+        wait_p99_ms=nearest_rank(wait, 0.99),
         evictions=job.after.evictions - job.before.evictions,
         pressure_evictions=job.after.pressure_evictions - job.before.pressure_evictions,
         repin_swaps=job.after.repin_swaps - job.before.repin_swaps,
-        hints_submitted=hints.submitted if hints else 0, hints_dropped=hints.dropped if hints else 0,
+        hints_submitted=hints.submitted if hints else 0,
+        hints_dropped=hints.dropped if hints else 0,
         hints_skipped_resident=hints.resident_skipped if hints else 0,
-        wrap_path=done.wrap_path if done else job.wrap_path, bytes_copied=done.bytes_copied if done else 0,
-        footprint_bytes=job.footprint, peak_footprint_bytes=job.peak_footprint, budget_bytes=job.budget,
-        io_fallback_ops=job.io_fallback_ops, overhead_bytes=job.overhead,
-    )  # fmt: skip
+        wrap_path=done.wrap_path if done else job.wrap_path,
+        bytes_copied=done.bytes_copied if done else 0,
+        footprint_bytes=job.footprint,
+        peak_footprint_bytes=job.peak_footprint,
+        budget_bytes=job.budget,
+        io_fallback_ops=job.io_fallback_ops,
+        overhead_bytes=job.overhead,
+    )
 
 
 @dataclass(slots=True)
@@ -229,33 +239,48 @@ class RunTotals:
         sums.disk.extend(job.disk_ms)
         sums.wait.extend(job.wait_ms)
 
-    def stats(self, *, now: ExpertResidencySnapshot, footprint: int, peak: int, budget: int,
-              overhead: int) -> JobStats:  # fmt: skip
+    def stats(self, *, now: ExpertResidencySnapshot, footprint: int, peak: int, budget: int, overhead: int) -> JobStats:
         """The cumulative `JobStats`; evictions and swaps are the manager's totals since the start."""
         sums = self._sums
         served = sums.hits + sums.misses
         disk_p50, disk_p99 = sums.disk.percentiles(0.5, 0.99)
         wait_p50, wait_p99 = sums.wait.percentiles(0.5, 0.99)
         return JobStats(
-            prompt_tokens=sums.prompt, generated_tokens=sums.generated,
+            prompt_tokens=sums.prompt,
+            generated_tokens=sums.generated,
             prefill_tok_s=_rate(sums.prefill_prompt, sums.prefill_ms),
             decode_tok_s=_rate(sums.decode_generated, sums.decode_ms),
-            hits=sums.hits, misses=sums.misses, hit_rate=sums.hits / served if served else 0.0,
-            all_resident=sums.all_resident_visits / sums.visits if sums.visits else 0.0, bytes_read=sums.bytes_read,
-            disk_p50_ms=disk_p50, disk_p99_ms=disk_p99, wait_p50_ms=wait_p50, wait_p99_ms=wait_p99,
-            evictions=now.evictions, pressure_evictions=now.pressure_evictions, repin_swaps=now.repin_swaps,
-            hints_submitted=sums.hints_submitted, hints_dropped=sums.hints_dropped,
-            hints_skipped_resident=sums.hints_skipped, wrap_path=sums.wrap_path, bytes_copied=sums.bytes_copied,
-            footprint_bytes=footprint, peak_footprint_bytes=peak, budget_bytes=budget,
-            io_fallback_ops=sums.io_fallback_ops, overhead_bytes=overhead,
-        )  # fmt: skip
+            hits=sums.hits,
+            misses=sums.misses,
+            hit_rate=sums.hits / served if served else 0.0,
+            all_resident=sums.all_resident_visits / sums.visits if sums.visits else 0.0,
+            bytes_read=sums.bytes_read,
+            disk_p50_ms=disk_p50,
+            disk_p99_ms=disk_p99,
+            wait_p50_ms=wait_p50,
+            wait_p99_ms=wait_p99,
+            evictions=now.evictions,
+            pressure_evictions=now.pressure_evictions,
+            repin_swaps=now.repin_swaps,
+            hints_submitted=sums.hints_submitted,
+            hints_dropped=sums.hints_dropped,
+            hints_skipped_resident=sums.hints_skipped,
+            wrap_path=sums.wrap_path,
+            bytes_copied=sums.bytes_copied,
+            footprint_bytes=footprint,
+            peak_footprint_bytes=peak,
+            budget_bytes=budget,
+            io_fallback_ops=sums.io_fallback_ops,
+            overhead_bytes=overhead,
+        )
 
 
 class JobBook:
     """The statistics of the running job and of the run, over the coordinator's instruments."""
 
-    def __init__(self, *, leases: LeaseService, manager: ExpertResidencyManager, meter: FootprintMeter,
-                 timer: LoadTimer) -> None:  # fmt: skip
+    def __init__(
+        self, *, leases: LeaseService, manager: ExpertResidencyManager, meter: FootprintMeter, timer: LoadTimer
+    ) -> None:
         self._leases, self._manager, self._meter, self._timer = leases, manager, meter, timer
         self._budget = manager.plan.budget_bytes
         self._before = manager.snapshot()  # the manager at the previous job's end
@@ -273,20 +298,43 @@ class JobBook:
         self._meter.sample(force=True)  # the job's last figure (a safe point: the worker has fenced)
         disk, wait = self._timer.take()
         after = self._manager.snapshot()
-        figures = JobFigures(lease=lease, done=done, relayed_tokens=relayed, before=self._before, after=after,
-                             hints=self._manager.drain_hint_telemetry(), disk_ms=disk, wait_ms=wait,
-                             wrap_path=wrap_path, footprint=self._meter.footprint(),
-                             peak_footprint=self._meter.job_peak, budget=self._budget,
-                             overhead=self._meter.overhead(), io_fallback_ops=io_fallback_ops)  # fmt: skip
+        figures = JobFigures(
+            lease=lease,
+            done=done,
+            relayed_tokens=relayed,
+            before=self._before,
+            after=after,
+            hints=self._manager.drain_hint_telemetry(),
+            disk_ms=disk,
+            wait_ms=wait,
+            wrap_path=wrap_path,
+            footprint=self._meter.footprint(),
+            peak_footprint=self._meter.job_peak,
+            budget=self._budget,
+            overhead=self._meter.overhead(),
+            io_fallback_ops=io_fallback_ops,
+        )
         self._before = after
         self.totals.add(figures)
         return job_stats(figures)
 
     def cumulative(self) -> JobStats:
-        return self.totals.stats(now=self._manager.snapshot(), footprint=self._meter.footprint(),
-                                 peak=self._meter.run_peak, budget=self._budget,
-                                 overhead=self._meter.overhead())  # fmt: skip
+        return self.totals.stats(
+            now=self._manager.snapshot(),
+            footprint=self._meter.footprint(),
+            peak=self._meter.run_peak,
+            budget=self._budget,
+            overhead=self._meter.overhead(),
+        )
 
 
-__all__ = ["RESERVOIR_SIZE", "JobBook", "JobFigures", "LoadTimer", "Reservoir", "RunTotals", "job_stats",
-           "nearest_rank"]  # fmt: skip
+__all__ = [
+    "RESERVOIR_SIZE",
+    "JobBook",
+    "JobFigures",
+    "LoadTimer",
+    "Reservoir",
+    "RunTotals",
+    "job_stats",
+    "nearest_rank",
+]

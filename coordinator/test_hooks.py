@@ -76,8 +76,10 @@ class HookedBackend:
         saved = self._saved.get(slot)
         if saved is not None:
             if saved[0] != generation:
-                self._violation(f"slot {slot}: leased at generation {generation}, but the bytes kept at its "
-                                f"fence are of generation {saved[0]}")  # fmt: skip
+                self._violation(
+                    f"slot {slot}: leased at generation {generation}, but the bytes kept at its "
+                    f"fence are of generation {saved[0]}"
+                )
             else:
                 self._write(slot, saved[1])
                 self.restores += 1

@@ -42,6 +42,7 @@ _U64_MASK = np.uint64(UINT32_MAX)
 @dataclass(frozen=True, slots=True)
 class ExpertUsageEntry:
     """One expert's counters: persistent count, session heat, clock of last use."""
+
     count: int
     heat: int
     last_access: int
@@ -50,6 +51,7 @@ class ExpertUsageEntry:
 @dataclass(frozen=True, slots=True)
 class ExpertUsageSnapshot:
     """Ledger totals; `total_count` is an exact (unsaturated) sum of all counts."""
+
     clock: int
     route_selections: int
     total_count: int
@@ -60,6 +62,7 @@ class ExpertUsageSnapshot:
 @dataclass(frozen=True, slots=True)
 class ExpertUsageCount:
     """One nonzero persistent counter."""
+
     layer: int
     expert_id: int
     count: int
@@ -68,6 +71,7 @@ class ExpertUsageCount:
 @dataclass(frozen=True, slots=True)
 class ExpertAutoPinPlan:
     """Startup pins chosen from history, and the budget arithmetic behind them."""
+
     history_selections: int
     confidence: float
     requested_budget_bytes: int
@@ -79,6 +83,7 @@ class ExpertAutoPinPlan:
 @dataclass(frozen=True, slots=True)
 class ExpertLfruCandidate:
     """A proposed live repin: replace pinned `cold_expert_id` by `hot_expert_id`."""
+
     layer: int
     cold_slot: int
     cold_expert_id: int
@@ -141,9 +146,7 @@ class ExpertUsageLedger:
     Construct with `open`, which also loads an existing profile.
     """
 
-    def __init__(
-        self, path: str | os.PathLike[str], *, layers: Iterable[int], experts_per_layer: int
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, layers: Iterable[int], experts_per_layer: int) -> None:
         """An empty ledger (no profile is read); validates everything before keeping anything."""
         text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
         if not isinstance(text, str):
@@ -165,8 +168,14 @@ class ExpertUsageLedger:
         self._dirty = False
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, layers: Iterable[int], experts_per_layer: int,
-             on_warning: Callable[[str], None] | None = None) -> ExpertUsageLedger:
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        layers: Iterable[int],
+        experts_per_layer: int,
+        on_warning: Callable[[str], None] | None = None,
+    ) -> ExpertUsageLedger:
         """A ledger seeded from the profile at `path` if it exists.
 
         A damaged or unreadable profile is reported through `on_warning` (or the
@@ -216,8 +225,9 @@ class ExpertUsageLedger:
         """One expert's count, heat and last access."""
         layer = self._require_layer(layer)
         expert_id = self._require_expert(expert_id, "expert_id")
-        return ExpertUsageEntry(int(self._counts[layer][expert_id]), int(self._heat[layer][expert_id]),
-                                int(self._last[layer][expert_id]))
+        return ExpertUsageEntry(
+            int(self._counts[layer][expert_id]), int(self._heat[layer][expert_id]), int(self._last[layer][expert_id])
+        )
 
     def snapshot(self) -> ExpertUsageSnapshot:
         """Clock, selections recorded this session, and count totals."""
@@ -231,9 +241,7 @@ class ExpertUsageLedger:
         ranked.sort(key=lambda c: (-c.count, c.layer, c.expert_id))
         return ranked
 
-    def lfru_candidate(
-        self, layer: int, pinned_expert_ids: Sequence[int] | np.ndarray
-    ) -> ExpertLfruCandidate | None:
+    def lfru_candidate(self, layer: int, pinned_expert_ids: Sequence[int] | np.ndarray) -> ExpertLfruCandidate | None:
         """Propose swapping the coldest pinned expert for the hottest unpinned one.
 
         As in the reference, an empty pin list yields None before any validation.
@@ -259,8 +267,15 @@ class ExpertUsageLedger:
         hot_score = int(unpinned[hot_expert_id])
         if hot_score < 0 or hot_score <= cold_score + cold_score // 4 + LFRU_HYSTERESIS:
             return None
-        return ExpertLfruCandidate(layer, cold_slot, pinned[cold_slot], hot_expert_id, cold_score, hot_score,
-                                   gain=(hot_score - cold_score) // 256)
+        return ExpertLfruCandidate(
+            layer,
+            cold_slot,
+            pinned[cold_slot],
+            hot_expert_id,
+            cold_score,
+            hot_score,
+            gain=(hot_score - cold_score) // 256,
+        )
 
     def decay_heat(self) -> None:
         """Halve every expert's heat so old bursts fade (counts are untouched)."""
@@ -426,9 +441,14 @@ def _require_share(value: object) -> float:
 
 
 def plan_expert_auto_pins(
-    *, ledger: ExpertUsageLedger, resident_tier_budget_bytes: int, mandatory_resident_bytes: int,
-    slot_bytes: Callable[[int], int], min_history_selections: int = 5000,
-    full_confidence_selections: int = 200_000, pin_share: float = 0.5,
+    *,
+    ledger: ExpertUsageLedger,
+    resident_tier_budget_bytes: int,
+    mandatory_resident_bytes: int,
+    slot_bytes: Callable[[int], int],
+    min_history_selections: int = 5000,
+    full_confidence_selections: int = 200_000,
+    pin_share: float = 0.5,
     min_pin_budget_bytes: int = 500_000_000,
 ) -> ExpertAutoPinPlan:
     """Colibri's startup AUTOPIN policy, made budget-safe.
@@ -443,6 +463,7 @@ def plan_expert_auto_pins(
         raise TypeError(f"ledger must be an ExpertUsageLedger, got {ledger!r}")
     if not callable(slot_bytes):
         raise TypeError(f"slot_bytes must be a function of the layer, got {slot_bytes!r}")
+
     def safe(value: object, name: str, minimum: int) -> int:
         return _bounded(value, f"auto-pin {name}", minimum, MAX_SAFE_INTEGER)
 

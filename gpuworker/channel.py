@@ -47,9 +47,16 @@ class Channel:
     queued (`backlog`), a frame that does not decode is answered with `error`.
     """
 
-    def __init__(self, sock: zmq.Socket, *, wake_fd: int | None = None, death_fd: int | None = None,
-                 parent_pid: int | None = None, stop_requested: Callable[[], bool] = lambda: False,
-                 stop_grace_s: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        *,
+        wake_fd: int | None = None,
+        death_fd: int | None = None,
+        parent_pid: int | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
+        stop_grace_s: float = 5.0,
+    ) -> None:
         self.sock = sock
         self.death_fd = death_fd
         self.wake_fd = wake_fd

@@ -111,8 +111,9 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
 
-def prompt_ids(tokenizer, *, prompt: str | None, prompt_tokens: Sequence[int] | None,
-               context: int | None, vocab: int | None) -> list[int]:  # fmt: skip
+def prompt_ids(
+    tokenizer, *, prompt: str | None, prompt_tokens: Sequence[int] | None, context: int | None, vocab: int | None
+) -> list[int]:
     """The job's prompt as token ids (`prompt_tokens` wins), checked; JobRefused otherwise."""
     if prompt_tokens is not None:
         ids = [int(token) for token in prompt_tokens]
@@ -125,8 +126,10 @@ def prompt_ids(tokenizer, *, prompt: str | None, prompt_tokens: Sequence[int] | 
     if not ids:
         raise JobRefused(BAD_REQUEST, "the prompt is empty")
     if context is not None and len(ids) > context:
-        raise JobRefused(PROMPT_TOO_LONG, f"the prompt has {len(ids)} tokens; the model's context is "
-                                          f"{context} (max_position_embeddings)")  # fmt: skip
+        raise JobRefused(
+            PROMPT_TOO_LONG,
+            f"the prompt has {len(ids)} tokens; the model's context is {context} (max_position_embeddings)",
+        )
     return ids
 
 
@@ -178,8 +181,14 @@ def generate(
     finish = LENGTH
     started = previous = time.perf_counter()
     prefill_ms = decode_ms = 0.0
-    steps = generate_step(mx.array(list(prompt)), forward, max_tokens=max_tokens, sampler=sampler,
-                          prompt_cache=cache, prefill_step_size=prefill_step_size)  # fmt: skip
+    steps = generate_step(
+        mx.array(list(prompt)),
+        forward,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prefill_step_size=prefill_step_size,
+    )
     try:
         for token, logprobs in steps:
             now = time.perf_counter()
@@ -223,22 +232,52 @@ def run_job(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
 ) -> Generation:
     """Run one `job`, sending a `Token` per token; JobRefused for a prompt it cannot take."""
-    ids = prompt_ids(tokenizer, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
-                     context=context_length(config), vocab=vocab_size(config))  # fmt: skip
+    ids = prompt_ids(
+        tokenizer,
+        prompt=job.prompt,
+        prompt_tokens=job.prompt_tokens,
+        context=context_length(config),
+        vocab=vocab_size(config),
+    )
 
     def emit(step: GeneratedToken) -> None:
         raw = None if step.logprobs is None else step.logprobs.astype("<f4").tobytes()
-        send(Token(job_id=job.job_id, index=step.index, token=step.token, text=step.text,
-                   elapsed_ms=step.elapsed_ms, logprobs=raw))  # fmt: skip
+        send(
+            Token(
+                job_id=job.job_id,
+                index=step.index,
+                token=step.token,
+                text=step.text,
+                elapsed_ms=step.elapsed_ms,
+                logprobs=raw,
+            )
+        )
 
-    return generate(model, tokenizer, ids, max_tokens=job.max_tokens, temperature=job.temperature,
-                    top_p=job.top_p, seed=job.seed, return_logprobs=job.return_logprobs,
-                    prefill_step_size=prefill_step_size, after_forward=after_forward,
-                    on_token=emit, should_stop=should_stop)  # fmt: skip
+    return generate(
+        model,
+        tokenizer,
+        ids,
+        max_tokens=job.max_tokens,
+        temperature=job.temperature,
+        top_p=job.top_p,
+        seed=job.seed,
+        return_logprobs=job.return_logprobs,
+        prefill_step_size=prefill_step_size,
+        after_forward=after_forward,
+        on_token=emit,
+        should_stop=should_stop,
+    )
 
 
 def job_done(job: Job, generation: Generation, **stats: Any) -> JobDone:
     """The `job_done` of a finished generation, with the lease client's telemetry."""
-    return JobDone(job_id=job.job_id, tokens=generation.tokens, text=generation.text,
-                   prompt_tokens=generation.prompt_tokens, prefill_ms=generation.prefill_ms,
-                   decode_ms=generation.decode_ms, finish_reason=generation.finish_reason, **stats)  # fmt: skip
+    return JobDone(
+        job_id=job.job_id,
+        tokens=generation.tokens,
+        text=generation.text,
+        prompt_tokens=generation.prompt_tokens,
+        prefill_ms=generation.prefill_ms,
+        decode_ms=generation.decode_ms,
+        finish_reason=generation.finish_reason,
+        **stats,
+    )

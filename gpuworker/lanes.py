@@ -25,8 +25,15 @@ import mlx.core as mx
 from shared.config import MAX_COMPUTE_LANES as MAX_LANES
 from shared.config import check_compute_lanes
 
-__all__ = ["AUTO_CPU_LANES", "MAX_LANES", "available_cores", "decode_parts", "lane_stream", "part_lanes",
-           "resolve_lanes"]
+__all__ = [
+    "AUTO_CPU_LANES",
+    "MAX_LANES",
+    "available_cores",
+    "decode_parts",
+    "lane_stream",
+    "part_lanes",
+    "resolve_lanes",
+]
 
 # Two lanes were measured on 2 vCPUs (decode about 1.2-1.3x faster end to end, bit for bit);
 # more cores may take more lanes, which `--compute-lanes` allows but auto does not pick untested.

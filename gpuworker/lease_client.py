@@ -45,9 +45,9 @@ from shared.gpu_messages import Fence, Fenced, Lease, RouteMatrix, Routes
 
 __all__ = [
     "Channel",
+    "LayerLeaseStats",
     "LeaseClient",
     "LeaseError",
-    "LayerLeaseStats",
     "LeaseStats",
     "ParentGone",
     "WorkerStopping",
@@ -114,15 +114,25 @@ class _Visit:
 
 
 class _Wave(LeasedWave):
-    __slots__ = ("visit", "index")
+    __slots__ = ("index", "visit")
 
 
 class LeaseClient:
     """`ExpertProvider` on the coordinator's lease protocol (see the module docstring)."""
 
-    def __init__(self, channel: Channel, *, store, buffer, total_slots: int, slot_bytes: int,
-                 working_slots: int, reply_timeout_s: float = 60.0, zero_copy: bool | None = None,
-                 compute_lanes: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        channel: Channel,
+        *,
+        store,
+        buffer,
+        total_slots: int,
+        slot_bytes: int,
+        working_slots: int,
+        reply_timeout_s: float = 60.0,
+        zero_copy: bool | None = None,
+        compute_lanes: int = 1,
+    ) -> None:
         if working_slots < 1:
             raise ValueError(f"working_slots must be >= 1, got {working_slots}")
         self.compute_lanes = check_compute_lanes(compute_lanes)  # decode parts run on this many MLX streams (copy path)
@@ -155,10 +165,21 @@ class LeaseClient:
 
     def stats(self) -> LeaseStats:
         s = self._stats
-        layers = tuple(LayerLeaseStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3)
-                       for (layer, phase), c in sorted(s.layers.items(), key=lambda item: (item[0][1], item[0][0])))
-        return LeaseStats(s.round_trips, s.leases, s.wait_s * 1e3, s.bytes_copied, s.copy_s * 1e3, s.wrap_path,
-                          layers, self.compute_lanes, tuple(s.lane_parts))  # fmt: skip
+        layers = tuple(
+            LayerLeaseStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3)
+            for (layer, phase), c in sorted(s.layers.items(), key=lambda item: (item[0][1], item[0][0]))
+        )
+        return LeaseStats(
+            s.round_trips,
+            s.leases,
+            s.wait_s * 1e3,
+            s.bytes_copied,
+            s.copy_s * 1e3,
+            s.wrap_path,
+            layers,
+            self.compute_lanes,
+            tuple(s.lane_parts),
+        )
 
     def reset_stats(self) -> None:
         self._stats = _Counters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
@@ -167,8 +188,11 @@ class LeaseClient:
     @property
     def holding(self) -> bool:
         """Whether the coordinator may still consider a lease of this worker active."""
-        return self._unsent is not None or bool(self._acks) or (
-            self._visit is not None and any(lease is not None for lease in self._visit.leases))
+        return (
+            self._unsent is not None
+            or bool(self._acks)
+            or (self._visit is not None and any(lease is not None for lease in self._visit.leases))
+        )
 
     # -- ExpertProvider ---------------------------------------------------------------------------
 
@@ -180,21 +204,26 @@ class LeaseClient:
             self.release()
         waves = wave_partition(routes, self.working_slots)
         piggyback, self._unsent = self._unsent, None
-        visit = _Visit(layer, waves, [None] * len(waves), [False] * len(waves),
-                       stacked=self._stack_pool is not None)  # fmt: skip
+        visit = _Visit(layer, waves, [None] * len(waves), [False] * len(waves), stacked=self._stack_pool is not None)
         self._visit = visit
         self._phase = DECODE if routes.shape[0] == 1 else PREFILL
         self._bucket = self._stats.bucket(layer, self._phase)
         self._bucket[0] += 1
         try:
             try:
-                lease = self._request(Routes(layer=layer, routes=RouteMatrix(routes), fence=piggyback),
-                                      f"routes of layer {layer}", piggyback=piggyback)  # fmt: skip
+                lease = self._request(
+                    Routes(layer=layer, routes=RouteMatrix(routes), fence=piggyback),
+                    f"routes of layer {layer}",
+                    piggyback=piggyback,
+                )
             except LeaseError:
                 self._settle(piggyback)
                 raise
-            parts = (decode_parts(waves[0], lanes=self.compute_lanes)
-                     if visit.stacked and routes.shape[0] == 1 and len(waves) == 1 else ())  # fmt: skip
+            parts = (
+                decode_parts(waves[0], lanes=self.compute_lanes)
+                if visit.stacked and routes.shape[0] == 1 and len(waves) == 1
+                else ()
+            )
             # Parts are copied when the module takes them, each while the one before computes.
             first = self._admit(visit, 0, lease, wrap=not parts)
         except BaseException:
@@ -203,9 +232,16 @@ class LeaseClient:
         if parts:
             whole = lambda: self._wrap(layer, waves[0], lease)  # noqa: E731  (a module that takes it whole)
             lanes = part_lanes(len(parts), self.compute_lanes)
-            return [_make_wave(visit, 0, whole, parts=parts, part_lanes=lanes,
-                               take_part=lambda index: self._wrap_part(layer, parts[index], index, lease,
-                                                                       lane=lanes[index]))]  # fmt: skip
+            return [
+                _make_wave(
+                    visit,
+                    0,
+                    whole,
+                    parts=parts,
+                    part_lanes=lanes,
+                    take_part=lambda index: self._wrap_part(layer, parts[index], index, lease, lane=lanes[index]),
+                )
+            ]
         result = [_make_wave(visit, 0, first)]
         for index in range(1, len(waves)):
             result.append(_make_wave(visit, index, lambda index=index: self._load_next(visit, index)))
@@ -346,8 +382,10 @@ class LeaseClient:
             raise WorkerStopping("stop requested")  # the module's error path fences wave index-1
         self._unsent = None
         try:
-            lease = self._request(Fence(lease_id=previous.lease_id, next=True),
-                                  f"fence of lease {previous.lease_id} (next wave of layer {visit.layer})")  # fmt: skip
+            lease = self._request(
+                Fence(lease_id=previous.lease_id, next=True),
+                f"fence of lease {previous.lease_id} (next wave of layer {visit.layer})",
+            )
         except LeaseError:
             self._settle(previous.lease_id)
             raise
@@ -387,11 +425,14 @@ class LeaseClient:
         if lease.layer != visit.layer:
             raise LeaseError(f"{where}: names layer {lease.layer}")
         if lease.wave != index or lease.waves != len(visit.waves):
-            raise LeaseError(f"{where}: is wave {lease.wave} of {lease.waves}; expected wave {index} "
-                             f"of {len(visit.waves)} (working bank {self.working_slots})")  # fmt: skip
+            raise LeaseError(
+                f"{where}: is wave {lease.wave} of {lease.waves}; expected wave {index} "
+                f"of {len(visit.waves)} (working bank {self.working_slots})"
+            )
         if not (len(lease.experts) == len(lease.slots) == len(lease.generations)):
-            raise LeaseError(f"{where}: {len(lease.experts)} experts, {len(lease.slots)} slots, "
-                             f"{len(lease.generations)} generations")  # fmt: skip
+            raise LeaseError(
+                f"{where}: {len(lease.experts)} experts, {len(lease.slots)} slots, {len(lease.generations)} generations"
+            )
         if len(set(lease.experts)) != len(lease.experts) or set(lease.experts) != set(want):
             raise LeaseError(f"{where}: leases experts {list(lease.experts)}; the wave routes {sorted(want)}")
         bad = [slot for slot in lease.slots if slot >= self.total_slots]
@@ -400,8 +441,9 @@ class LeaseClient:
         if len(set(lease.slots)) != len(lease.slots):
             raise LeaseError(f"{where}: a slot is leased twice: {list(lease.slots)}")
 
-    def _wrap_part(self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease, *,
-                   lane: int) -> dict[str, mx.array]:
+    def _wrap_part(
+        self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease, *, lane: int
+    ) -> dict[str, mx.array]:
         """Part `index` of a decode wave (for compute lane `lane`), stacked in the part's (rank) order
         into pool set `index`."""
         slot_of = dict(zip(lease.experts, lease.slots))
@@ -409,9 +451,14 @@ class LeaseClient:
             self._settle_pending()
         assert self._stack_pool is not None
         started = time.perf_counter()
-        tensors, wrap = stacked_slot_arrays(self.buffer, [slot_of[e] for e in expert_ids], self.slot_bytes,
-                                            [self.store.layout(layer, e) for e in expert_ids], self._stack_pool,
-                                            tag=index)  # fmt: skip
+        tensors, wrap = stacked_slot_arrays(
+            self.buffer,
+            [slot_of[e] for e in expert_ids],
+            self.slot_bytes,
+            [self.store.layout(layer, e) for e in expert_ids],
+            self._stack_pool,
+            tag=index,
+        )
         # Later parts copy while the part before computes: only part 0's copy is exposed.
         self._count_copy(time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=index == 0)
         self._stats.lane_parts[lane] += 1
@@ -441,14 +488,24 @@ class LeaseClient:
         started = time.perf_counter()
         if self._stack_pool is not None:
             ordered = sorted(expert_ids)
-            tensors, wrap = stacked_slot_arrays(self.buffer, [slot_of[e] for e in ordered], self.slot_bytes,
-                                                [self.store.layout(layer, e) for e in ordered], self._stack_pool)
+            tensors, wrap = stacked_slot_arrays(
+                self.buffer,
+                [slot_of[e] for e in ordered],
+                self.slot_bytes,
+                [self.store.layout(layer, e) for e in ordered],
+                self._stack_pool,
+            )
             copied = wrap.bytes_copied
         else:
             tensors, copied = [], 0
             for expert in expert_ids:
-                arrays, wrap = slot_arrays(self.buffer, slot_of[expert], self.slot_bytes,
-                                           self.store.layout(layer, expert), zero_copy=self.zero_copy)  # fmt: skip
+                arrays, wrap = slot_arrays(
+                    self.buffer,
+                    slot_of[expert],
+                    self.slot_bytes,
+                    self.store.layout(layer, expert),
+                    zero_copy=self.zero_copy,
+                )
                 copied += wrap.bytes_copied
                 tensors.append(arrays)
         self._count_copy(time.perf_counter() - started, copied, wrap.path, exposed=True)
@@ -476,7 +533,15 @@ class _Counters:
 
 def _make_wave(visit: _Visit, index: int, tensors, *, parts=(), take_part=None, part_lanes=()) -> _Wave:
     # The copy path's stacked tensors never read the slab: detached (fenced while computing).
-    wave = _Wave(visit.waves[index], tensors, lease=(visit.layer, index), stacked=visit.stacked,
-                 detached=visit.stacked, parts=parts, take_part=take_part, part_lanes=part_lanes)  # fmt: skip
+    wave = _Wave(
+        visit.waves[index],
+        tensors,
+        lease=(visit.layer, index),
+        stacked=visit.stacked,
+        detached=visit.stacked,
+        parts=parts,
+        take_part=take_part,
+        part_lanes=part_lanes,
+    )
     wave.visit, wave.index = visit, index
     return wave

@@ -30,12 +30,12 @@ from pathlib import Path
 import zmq
 from mlx_lm.utils import load_tokenizer
 
-from gpuworker.generate import DEFAULT_PREFILL_STEP, JobRefused, job_done, run_job
 from gpuworker.channel import Channel, LeaseError, ParentGone, WorkerStopping
+from gpuworker.generate import DEFAULT_PREFILL_STEP, JobRefused, job_done, run_job
 from gpuworker.lanes import MAX_LANES, resolve_lanes
 from gpuworker.lease_client import LeaseClient
-from gpuworker.slots import ZERO_COPY
 from gpuworker.model import check_against_store, load_streamed_model
+from gpuworker.slots import ZERO_COPY
 from shared.config import check_compute_lanes
 from shared.gpu_messages import (
     GPU_WORKER_ACCEPTS,
@@ -91,9 +91,22 @@ class SetupError(RuntimeError):
 
 def worker_arguments(config: GpuWorkerConfig) -> list[str]:
     """Command-line arguments that `parse_args` turns back into `config`."""
-    args = ["--model", config.model, "--endpoint", config.endpoint, "--log-level", config.log_level,
-            "--handshake-timeout", str(config.handshake_timeout), "--reply-timeout", str(config.reply_timeout),
-            "--stop-grace", str(config.stop_grace), "--prefill-step-size", str(config.prefill_step_size)]  # fmt: skip
+    args = [
+        "--model",
+        config.model,
+        "--endpoint",
+        config.endpoint,
+        "--log-level",
+        config.log_level,
+        "--handshake-timeout",
+        str(config.handshake_timeout),
+        "--reply-timeout",
+        str(config.reply_timeout),
+        "--stop-grace",
+        str(config.stop_grace),
+        "--prefill-step-size",
+        str(config.prefill_step_size),
+    ]
     if config.death_fd is not None:
         args += ["--death-fd", str(config.death_fd)]
     if config.compute_lanes is not None:
@@ -114,12 +127,17 @@ def parse_args(argv: Sequence[str] | None = None) -> GpuWorkerConfig:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds to wait for gpu_welcome")
     parser.add_argument("--reply-timeout", type=float, default=60.0, help="seconds to wait for one lease reply")
-    parser.add_argument("--stop-grace", type=float, default=5.0,
-                        help="seconds a pending lease reply is still awaited after SIGTERM")  # fmt: skip
+    parser.add_argument(
+        "--stop-grace", type=float, default=5.0, help="seconds a pending lease reply is still awaited after SIGTERM"
+    )
     parser.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
-    parser.add_argument("--compute-lanes", type=int, default=None,
-                        help=f"MLX streams a decode wave's experts compute on, 1..{MAX_LANES} "
-                             "(default: auto, 2 on a CPU with 2+ cores, else 1)")  # fmt: skip
+    parser.add_argument(
+        "--compute-lanes",
+        type=int,
+        default=None,
+        help=f"MLX streams a decode wave's experts compute on, 1..{MAX_LANES} "
+        "(default: auto, 2 on a CPU with 2+ cores, else 1)",
+    )
     ns = parser.parse_args(argv)
     if ns.compute_lanes is not None:
         try:
@@ -171,15 +189,15 @@ def _handshake(sock: zmq.Socket, config: GpuWorkerConfig, channel: Channel) -> G
         if isinstance(reply, ErrorReply):
             raise SetupError(f"the coordinator refused this worker: {reply.code}: {reply.message}")
         raise SetupError(f"expected gpu_welcome, got {reply.OP}")
-    raise SetupError(f"no gpu_welcome from {config.endpoint} within {config.handshake_timeout:g} s",
-                     tell=False)  # nobody answered: nobody to tell
+    raise SetupError(
+        f"no gpu_welcome from {config.endpoint} within {config.handshake_timeout:g} s", tell=False
+    )  # nobody answered: nobody to tell
 
 
 class _Worker:
     """The loaded worker: serves jobs one at a time on its channel."""
 
-    def __init__(self, channel: Channel, client: LeaseClient, model, tokenizer, info,
-                 config: GpuWorkerConfig) -> None:  # fmt: skip
+    def __init__(self, channel: Channel, client: LeaseClient, model, tokenizer, info, config: GpuWorkerConfig) -> None:
         self.channel, self.client, self.model, self.tokenizer = channel, client, model, tokenizer
         self.info, self.config = info, config
 
@@ -195,8 +213,10 @@ class _Worker:
         if isinstance(message, ErrorReply):  # never answer an error with an error
             logger.warning("the coordinator reported an error: %s: %s", message.code, message.message)
         elif isinstance(message, (Lease, Fenced)):
-            self.channel.refuse(BAD_REQUEST, f"unexpected {message.OP} {message.lease_id}: "
-                                             "no routes or fence of this worker is outstanding")  # fmt: skip
+            self.channel.refuse(
+                BAD_REQUEST,
+                f"unexpected {message.OP} {message.lease_id}: no routes or fence of this worker is outstanding",
+            )
         else:
             self.channel.refuse(BAD_REQUEST, f"unexpected {getattr(message, 'OP', type(message).__name__)}")
 
@@ -214,17 +234,36 @@ class _Worker:
                 channel.send(JobDone(job_id=job.job_id, tokens=(), finish_reason="cancelled"))
                 return
             logger.info("job %d: up to %d tokens", job.job_id, job.max_tokens)
-            generation = run_job(job, model=self.model, tokenizer=self.tokenizer, config=self.info.config,
-                                 send=channel.send, should_stop=lambda: self.should_stop(job.job_id),
-                                 after_forward=lambda: client.end_step(wait=False),
-                                 prefill_step_size=self.config.prefill_step_size)  # fmt: skip
+            generation = run_job(
+                job,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                config=self.info.config,
+                send=channel.send,
+                should_stop=lambda: self.should_stop(job.job_id),
+                after_forward=lambda: client.end_step(wait=False),
+                prefill_step_size=self.config.prefill_step_size,
+            )
             client.end_step()  # nothing is held after the last forward (and every fence is acknowledged)
             stats = client.stats()
-            channel.send(job_done(job, generation, wrap_path=stats.wrap_path, bytes_copied=stats.bytes_copied,
-                                  copy_ms=stats.copy_ms, lease_wait_ms=stats.lease_wait_ms))  # fmt: skip
-            logger.info("job %d: %d tokens (%s), %d lease round trips, %.1f ms waiting for leases",
-                        job.job_id, len(generation.tokens), generation.finish_reason, stats.round_trips,
-                        stats.lease_wait_ms)  # fmt: skip
+            channel.send(
+                job_done(
+                    job,
+                    generation,
+                    wrap_path=stats.wrap_path,
+                    bytes_copied=stats.bytes_copied,
+                    copy_ms=stats.copy_ms,
+                    lease_wait_ms=stats.lease_wait_ms,
+                )
+            )
+            logger.info(
+                "job %d: %d tokens (%s), %d lease round trips, %.1f ms waiting for leases",
+                job.job_id,
+                len(generation.tokens),
+                generation.finish_reason,
+                stats.round_trips,
+                stats.lease_wait_ms,
+            )
             logger.info("job %d lease telemetry: %s", job.job_id, _telemetry_json(generation, stats))
         except JobRefused as error:
             logger.warning("job %d refused: %s", job.job_id, error.message)
@@ -264,15 +303,37 @@ class _Worker:
 
 def _telemetry_json(generation, stats) -> str:
     """One line of JSON: the job's lease figures per (layer, phase); what benchmarks read."""
-    return json.dumps({
-        "tokens": len(generation.tokens), "prompt_tokens": generation.prompt_tokens,
-        "prefill_ms": round(generation.prefill_ms, 3), "decode_ms": round(generation.decode_ms, 3),
-        "round_trips": stats.round_trips, "lease_wait_ms": round(stats.lease_wait_ms, 3),
-        "copy_ms": round(stats.copy_ms, 3), "bytes_copied": stats.bytes_copied, "wrap_path": stats.wrap_path,
-        "compute_lanes": stats.compute_lanes, "lane_parts": list(stats.lane_parts),
-        "layers": [[s.layer, s.phase, s.visits, s.round_trips, round(s.wait_ms, 3), round(s.copy_ms, 3),
-                    s.experts, s.hits, s.bytes_copied, round(s.exposed_copy_ms, 3)] for s in stats.layers],
-    }, separators=(",", ":"))  # fmt: skip
+    return json.dumps(
+        {
+            "tokens": len(generation.tokens),
+            "prompt_tokens": generation.prompt_tokens,
+            "prefill_ms": round(generation.prefill_ms, 3),
+            "decode_ms": round(generation.decode_ms, 3),
+            "round_trips": stats.round_trips,
+            "lease_wait_ms": round(stats.lease_wait_ms, 3),
+            "copy_ms": round(stats.copy_ms, 3),
+            "bytes_copied": stats.bytes_copied,
+            "wrap_path": stats.wrap_path,
+            "compute_lanes": stats.compute_lanes,
+            "lane_parts": list(stats.lane_parts),
+            "layers": [
+                [
+                    s.layer,
+                    s.phase,
+                    s.visits,
+                    s.round_trips,
+                    round(s.wait_ms, 3),
+                    round(s.copy_ms, 3),
+                    s.experts,
+                    s.hits,
+                    s.bytes_copied,
+                    round(s.exposed_copy_ms, 3),
+                ]
+                for s in stats.layers
+            ],
+        },
+        separators=(",", ":"),
+    )
 
 
 def run_gpu_worker(config: GpuWorkerConfig) -> int:
@@ -294,8 +355,14 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
         os.set_blocking(config.death_fd, False)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
-    channel = Channel(sock, wake_fd=wake_r, death_fd=config.death_fd, parent_pid=parent,
-                      stop_requested=lambda: bool(stop_signal), stop_grace_s=config.stop_grace)  # fmt: skip
+    channel = Channel(
+        sock,
+        wake_fd=wake_r,
+        death_fd=config.death_fd,
+        parent_pid=parent,
+        stop_requested=lambda: bool(stop_signal),
+        stop_grace_s=config.stop_grace,
+    )
     slab: Slab | None = None
     client: LeaseClient | None = None
     worker: _Worker | None = None
@@ -321,16 +388,28 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
             step = f"opening the expert store of {config.model}"
             store = ExpertStore.open(config.model, block_size=welcome.block_size)
             if store.slot_bytes > welcome.slot_bytes:
-                raise ValueError(f"the store's experts need {store.slot_bytes}-byte slots; "
-                                 f"the slab has {welcome.slot_bytes}")  # fmt: skip
+                raise ValueError(
+                    f"the store's experts need {store.slot_bytes}-byte slots; the slab has {welcome.slot_bytes}"
+                )
             step = f"loading the tokenizer and model of {config.model}"
             tokenizer = load_tokenizer(Path(config.model), eos_token_ids=store.config.get("eos_token_id"))
             lanes, why = resolve_lanes(config.compute_lanes)
-            client = LeaseClient(channel, store=store, buffer=slab.buffer, total_slots=welcome.total_slots,
-                                 slot_bytes=welcome.slot_bytes, working_slots=welcome.working_slots,
-                                 reply_timeout_s=config.reply_timeout, compute_lanes=lanes)  # fmt: skip
-            logger.info("compute lanes: %d (%s)%s", lanes, why,
-                        "" if client.wrap_path != ZERO_COPY else "; unused on the zero-copy path")  # fmt: skip
+            client = LeaseClient(
+                channel,
+                store=store,
+                buffer=slab.buffer,
+                total_slots=welcome.total_slots,
+                slot_bytes=welcome.slot_bytes,
+                working_slots=welcome.working_slots,
+                reply_timeout_s=config.reply_timeout,
+                compute_lanes=lanes,
+            )
+            logger.info(
+                "compute lanes: %d (%s)%s",
+                lanes,
+                why,
+                "" if client.wrap_path != ZERO_COPY else "; unused on the zero-copy path",
+            )
             model, info = load_streamed_model(config.model, provider=client)  # dense weights only
             step = "checking the model against the store"
             check_against_store(info, store)
@@ -340,11 +419,23 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
             logger.info("stopped while loading")
             return EXIT_OK
         worker = _Worker(channel, client, model, tokenizer, info, config)
-        channel.send(GpuReady(pid=os.getpid(), dense_bytes=info.dense_bytes, sparse_layers=info.sparse_layers,
-                              wrap_path=client.wrap_path))
-        logger.info("ready: %s, %d dense bytes, sparse layers %s, slab %s (%d slots, %d working)",
-                    info.model_type, info.dense_bytes, list(info.sparse_layers), welcome.slab_name,
-                    welcome.total_slots, welcome.working_slots)  # fmt: skip
+        channel.send(
+            GpuReady(
+                pid=os.getpid(),
+                dense_bytes=info.dense_bytes,
+                sparse_layers=info.sparse_layers,
+                wrap_path=client.wrap_path,
+            )
+        )
+        logger.info(
+            "ready: %s, %d dense bytes, sparse layers %s, slab %s (%d slots, %d working)",
+            info.model_type,
+            info.dense_bytes,
+            list(info.sparse_layers),
+            welcome.slab_name,
+            welcome.total_slots,
+            welcome.working_slots,
+        )
         worker.serve()
         logger.info("stopping on signal %d", stop_signal[0])
         linger = 500  # let the last job_error / fence reach the coordinator
@@ -368,7 +459,7 @@ def run_gpu_worker(config: GpuWorkerConfig) -> int:
             client.reply_timeout_s = min(client.reply_timeout_s, 2.0)
             try:
                 client.release()
-            except Exception as error:  # noqa: BLE001 - best effort on the way out
+            except Exception as error:
                 logger.warning("could not fence the held lease on exit: %s", error)
         if welcomed and stop_signal and not parent_gone:
             # After the fences: the coordinator reads them first, then hears this exit is not a loss.

@@ -101,8 +101,10 @@ def _strip(path: str, switch: nn.Module) -> SparseModule:
         raise ValueError(f"switch module {path} has no expert parameters")
     experts = {array.shape[0] if array.ndim else 0 for _, array in flat}
     if len(experts) != 1:
-        raise ValueError(f"switch module {path}: parameters disagree on the expert count: "
-                         f"{ {name: list(array.shape) for name, array in flat} }")
+        raise ValueError(
+            f"switch module {path}: parameters disagree on the expert count: "
+            f"{ {name: list(array.shape) for name, array in flat} }"
+        )
     params = tuple(ExpertParam(name, tuple(array.shape[1:]), array.dtype) for name, array in flat)
     for name, _ in flat:
         *owners, key = name.split(".")
@@ -131,19 +133,22 @@ def load_streamed_model(
     """
     path = Path(model_dir)
     # lazy=True: nothing is read yet, so dropping the experts below costs no I/O.
-    model, config = load_model(path, lazy=True, strict=strict, model_config=model_config,
-                               trust_remote_code=trust_remote_code)
-    found = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, (SwitchGLU, SwitchMLP))]
+    model, config = load_model(
+        path, lazy=True, strict=strict, model_config=model_config, trust_remote_code=trust_remote_code
+    )
+    found = [(name, module) for name, module in model.named_modules() if isinstance(module, (SwitchGLU, SwitchMLP))]
     if not found:
-        raise ValueError(f"{path}: model_type {config.get('model_type')!r} has no SwitchGLU/SwitchMLP "
-                         "module (mlx_lm.models.switch_layers): nothing to stream")
+        raise ValueError(
+            f"{path}: model_type {config.get('model_type')!r} has no SwitchGLU/SwitchMLP "
+            "module (mlx_lm.models.switch_layers): nothing to stream"
+        )
     modules = []
     for name, switch in found:
         sparse = _strip(name, switch)
         parent, key = _parent(model, name)
-        wrapper = StreamedSwitch(switch, layer=sparse.layer, num_experts=sparse.num_experts,
-                                 params=sparse.params, provider=provider)
+        wrapper = StreamedSwitch(
+            switch, layer=sparse.layer, num_experts=sparse.num_experts, params=sparse.params, provider=provider
+        )
         if isinstance(parent, list):
             parent[int(key)] = wrapper
         else:
@@ -152,8 +157,9 @@ def load_streamed_model(
     modules.sort(key=lambda module: module.layer)
     layers = tuple(module.layer for module in modules)
     if len(set(layers)) != len(layers):
-        raise ValueError(f"{path}: more than one switch module in a decoder layer: "
-                         f"{[module.path for module in modules]}")
+        raise ValueError(
+            f"{path}: more than one switch module in a decoder layer: {[module.path for module in modules]}"
+        )
     dense = tree_flatten(model.parameters())
     if not lazy:
         mx.eval([array for _, array in dense])
@@ -166,9 +172,14 @@ def load_streamed_model(
         sparse_layers=layers,
         modules=tuple(modules),
     )
-    logger.info("loaded %s (%s): %d dense bytes in memory, %d routed-expert bytes streamed, "
-                "sparse layers %s", info.model_dir, info.model_type, info.dense_bytes,
-                info.routed_bytes, list(layers))
+    logger.info(
+        "loaded %s (%s): %d dense bytes in memory, %d routed-expert bytes streamed, sparse layers %s",
+        info.model_dir,
+        info.model_type,
+        info.dense_bytes,
+        info.routed_bytes,
+        list(layers),
+    )
     return model, info
 
 
@@ -194,8 +205,7 @@ def check_against_store(info: StreamedModelInfo, store: Any) -> None:
     if tuple(store.sparse_layers) != info.sparse_layers:
         raise ValueError(f"store sparse layers {list(store.sparse_layers)} != model's {list(info.sparse_layers)}")
     if store.experts_per_layer != info.modules[0].num_experts:
-        raise ValueError(f"store has {store.experts_per_layer} experts per layer, "
-                         f"model {info.modules[0].num_experts}")
+        raise ValueError(f"store has {store.experts_per_layer} experts per layer, model {info.modules[0].num_experts}")
     for module in info.modules:
         layer = store.layer(module.layer)
         if layer.module != module.path:

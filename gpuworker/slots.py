@@ -35,8 +35,8 @@ __all__ = [
     "ZERO_COPY",
     "SlotCounters",
     "SlotCountersSnapshot",
-    "StackBuffers",
     "SlotTensorLike",
+    "StackBuffers",
     "WrapStats",
     "mlx_storage_dtype",
     "slot_arrays",
@@ -98,9 +98,7 @@ class SlotCounters:
         self._bytes_copied += stats.bytes_copied
 
     def snapshot(self) -> SlotCountersSnapshot:
-        return SlotCountersSnapshot(
-            self._copy_calls, self._zero_copy_calls, self._bytes_copied, self._bytes_wrapped
-        )
+        return SlotCountersSnapshot(self._copy_calls, self._zero_copy_calls, self._bytes_copied, self._bytes_wrapped)
 
 
 def _version_at_least(version: str, minimum: tuple[int, ...]) -> bool:
@@ -183,16 +181,16 @@ def _slot_window(buffer, slot: int, slot_bytes: int) -> np.ndarray:
     start = int(slot) * int(slot_bytes)
     if start + slot_bytes > whole.size:
         raise ValueError(
-            f"slot {slot} of {slot_bytes} bytes ends at byte {start + slot_bytes}, past the "
-            f"{whole.size}-byte slab"
+            f"slot {slot} of {slot_bytes} bytes ends at byte {start + slot_bytes}, past the {whole.size}-byte slab"
         )
     return whole[start : start + slot_bytes]
 
 
 def _copy_tensor(window: np.ndarray, tensor: SlotTensorLike) -> mx.array:
     """One copy of exactly the tensor's bytes; BF16 comes back through uint16."""
-    stored = np.frombuffer(window, dtype=numpy_dtype(tensor.dtype), count=math.prod(tensor.shape),
-                           offset=tensor.offset).reshape(tensor.shape)
+    stored = np.frombuffer(
+        window, dtype=numpy_dtype(tensor.dtype), count=math.prod(tensor.shape), offset=tensor.offset
+    ).reshape(tensor.shape)
     array = mx.array(stored)  # mx.array copies host memory when it is built
     target = mlx_storage_dtype(tensor.dtype)
     if array.dtype != target:
@@ -361,5 +359,6 @@ def stacked_slot_arrays(
         for tensor in layout:
             target[tensor.name][0][row] = window[tensor.offset : tensor.offset + tensor.nbytes]
     nbytes = sum(t.nbytes for layout in layouts for t in layout)
-    return {name: array for name, (_, array) in target.items()}, WrapStats(COPY, len(first) * len(slots),
-                                                                          nbytes, nbytes)  # fmt: skip
+    return {name: array for name, (_, array) in target.items()}, WrapStats(
+        COPY, len(first) * len(slots), nbytes, nbytes
+    )

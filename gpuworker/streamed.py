@@ -110,8 +110,18 @@ class LeasedWave:
     compute lane (`gpuworker.lanes`) part j runs on (default: all lane 0).
     """
 
-    __slots__ = ("expert_ids", "lease", "stacked", "detached", "outputs", "parts", "part_lanes", "_tensors",
-                 "_take_part", "_next_part")
+    __slots__ = (
+        "_next_part",
+        "_take_part",
+        "_tensors",
+        "detached",
+        "expert_ids",
+        "lease",
+        "outputs",
+        "part_lanes",
+        "parts",
+        "stacked",
+    )
 
     def __init__(
         self,
@@ -138,10 +148,11 @@ class LeasedWave:
                 raise ValueError(f"parts {self.parts} do not hold the wave's experts {self.expert_ids} once each")
         self.part_lanes: tuple[int, ...] = tuple(part_lanes) or (0,) * len(self.parts)
         if len(self.part_lanes) != len(self.parts) or not all(
-                isinstance(lane, int) and not isinstance(lane, bool) and 0 <= lane < MAX_LANES
-                for lane in self.part_lanes):
-            raise ValueError(f"part_lanes {self.part_lanes} must be one lane in [0, {MAX_LANES}) per part "
-                             f"({len(self.parts)} parts)")  # fmt: skip
+            isinstance(lane, int) and not isinstance(lane, bool) and 0 <= lane < MAX_LANES for lane in self.part_lanes
+        ):
+            raise ValueError(
+                f"part_lanes {self.part_lanes} must be one lane in [0, {MAX_LANES}) per part ({len(self.parts)} parts)"
+            )
         self._take_part = take_part
         self._next_part = 0
         if not callable(tensors):
@@ -166,8 +177,9 @@ class LeasedWave:
         loaded = source() if callable(source) else source
         if self.stacked:
             if not isinstance(loaded, Mapping):
-                raise ExpertProviderError(f"wave {list(self.expert_ids)}: stacked tensors are "
-                                          f"{type(loaded).__name__}, not a mapping")  # fmt: skip
+                raise ExpertProviderError(
+                    f"wave {list(self.expert_ids)}: stacked tensors are {type(loaded).__name__}, not a mapping"
+                )
             return loaded
         tensors = tuple(loaded)
         if len(tensors) != len(self.expert_ids):
@@ -178,15 +190,18 @@ class LeasedWave:
         """Part `index`'s stacked tensors ({name: [len(part), ...]}, in the part's order); parts
         are taken in order, and once they all are the wave counts as taken."""
         if self._tensors is None or self._take_part is None or index != self._next_part:
-            raise ExpertProviderError(f"wave {list(self.expert_ids)}: part {index} taken out of order "
-                                      f"(next is {self._next_part}, taken={self.taken})")  # fmt: skip
+            raise ExpertProviderError(
+                f"wave {list(self.expert_ids)}: part {index} taken out of order "
+                f"(next is {self._next_part}, taken={self.taken})"
+            )
         self._next_part += 1
         if self._next_part == len(self.parts):
             self._tensors = None
         got = self._take_part(index)
         if not isinstance(got, Mapping):
-            raise ExpertProviderError(f"wave {list(self.expert_ids)} part {index}: tensors are "
-                                      f"{type(got).__name__}, not a mapping")  # fmt: skip
+            raise ExpertProviderError(
+                f"wave {list(self.expert_ids)} part {index}: tensors are {type(got).__name__}, not a mapping"
+            )
         return got
 
     def discard(self) -> None:
@@ -249,8 +264,10 @@ def _stacked(wave: LeasedWave, params: Sequence[ExpertParam], layer: int) -> tup
         got = wave.take()
         wanted = {param.name for param in params}
         if set(got) != wanted:
-            raise ExpertProviderError(f"layer {layer} wave {list(wave.expert_ids)}: stacked tensors "
-                                      f"{sorted(got)} but the module needs {sorted(wanted)}")  # fmt: skip
+            raise ExpertProviderError(
+                f"layer {layer} wave {list(wave.expert_ids)}: stacked tensors "
+                f"{sorted(got)} but the module needs {sorted(wanted)}"
+            )
         n = len(wave.expert_ids)
         for param in params:
             _check_array(got[param.name], (n, *param.shape), param.dtype, f"layer {layer} stacked {param.name}")
@@ -267,8 +284,7 @@ def _stacked(wave: LeasedWave, params: Sequence[ExpertParam], layer: int) -> tup
         for param in params:
             array = got[param.name]
             if not isinstance(array, mx.array) or tuple(array.shape) != param.shape or array.dtype != param.dtype:
-                what = (f"{array.dtype} {list(array.shape)}" if isinstance(array, mx.array)
-                        else type(array).__name__)
+                what = f"{array.dtype} {list(array.shape)}" if isinstance(array, mx.array) else type(array).__name__
                 raise ExpertProviderError(
                     f"layer {layer} expert {expert} {param.name}: got {what}, "
                     f"the module needs {param.dtype} {list(param.shape)}"
@@ -356,8 +372,9 @@ class StreamedSwitch(nn.Module):
         part is taken; the outputs side by side are the whole call's (module docstring)."""
         ranks = ids.reshape(-1).tolist()
         if [e for part in wave.parts for e in part] != ranks:
-            raise ExpertProviderError(f"layer {self.layer}: wave parts {list(wave.parts)} are not the route's "
-                                      f"ranks {ranks} in order")  # fmt: skip
+            raise ExpertProviderError(
+                f"layer {self.layer}: wave parts {list(wave.parts)} are not the route's ranks {ranks} in order"
+            )
         outputs = []
         try:
             for index, part in enumerate(wave.parts):
@@ -365,8 +382,12 @@ class StreamedSwitch(nn.Module):
                 if set(got) != {param.name for param in self.expert_params}:
                     raise ExpertProviderError(f"layer {self.layer} part {index}: tensors {sorted(got)}")
                 for param in self.expert_params:
-                    _check_array(got[param.name], (len(part), *param.shape), param.dtype,
-                                 f"layer {self.layer} part {index} {param.name}")  # fmt: skip
+                    _check_array(
+                        got[param.name],
+                        (len(part), *param.shape),
+                        param.dtype,
+                        f"layer {self.layer} part {index} {param.name}",
+                    )
                 positions = mx.array(np.arange(len(part), dtype=np.int32).reshape(*ids.shape[:-1], len(part)))
                 self._install(got)
                 del got
@@ -385,8 +406,9 @@ class StreamedSwitch(nn.Module):
         fenced.append(wave)
         self.provider.fence(wave)
 
-    def _waves(self, x: mx.array, indices: mx.array, routes: np.ndarray,
-               waves: Sequence[LeasedWave], fenced: list[LeasedWave]) -> mx.array:
+    def _waves(
+        self, x: mx.array, indices: mx.array, routes: np.ndarray, waves: Sequence[LeasedWave], fenced: list[LeasedWave]
+    ) -> mx.array:
         shape, k = indices.shape, indices.shape[-1]
         if len(waves) == 1:
             y = self._run_wave(x, routes.reshape(shape), waves[0], indices.dtype)
@@ -413,8 +435,10 @@ class StreamedSwitch(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if tuple(x.shape[:-1]) != tuple(indices.shape[:-1]):
-            raise ValueError(f"layer {self.layer}: x {list(x.shape)} and indices {list(indices.shape)} "
-                             "do not share leading dimensions")
+            raise ValueError(
+                f"layer {self.layer}: x {list(x.shape)} and indices {list(indices.shape)} "
+                "do not share leading dimensions"
+            )
         # The routes are data: evaluate them (and x, so no dense compute runs under the lease).
         _evaluate(x, indices)
         routes = np.array(indices, copy=True).astype(np.int32).reshape(-1, indices.shape[-1])
@@ -432,8 +456,7 @@ class StreamedSwitch(nn.Module):
             self._release_after_error(waves, fenced, error)
             raise
 
-    def _release_after_error(self, waves: Sequence[LeasedWave], fenced: list[LeasedWave],
-                             error: BaseException) -> None:
+    def _release_after_error(self, waves: Sequence[LeasedWave], fenced: list[LeasedWave], error: BaseException) -> None:
         """Drop everything that may read the waves, then fence the ones not fenced yet.
 
         Lazy arrays built from a wave can survive in the frames of the

@@ -132,8 +132,13 @@ class LoadEngine:
         if buffer is None:
             logger.info("staging off: %s", self.staging.reason)
         else:
-            logger.info("staging on: %s; %d x %d bytes, %d on huge pages", self.staging.reason, buffer.threads,
-                        buffer.stride, buffer.huge_bytes)  # fmt: skip
+            logger.info(
+                "staging on: %s; %d x %d bytes, %d on huge pages",
+                self.staging.reason,
+                buffer.threads,
+                buffer.stride,
+                buffer.huge_bytes,
+            )
             if buffer.huge_bytes < buffer.size:  # e.g. no free huge page: staged reads may still split
                 logger.warning("staging buffers got %d of %d bytes on huge pages", buffer.huge_bytes, buffer.size)
         self._threads = [
@@ -150,9 +155,7 @@ class LoadEngine:
         with self._lock:
             busy = self._jobs.get(load.slot)
             if busy is not None:
-                raise LoadRefused(
-                    f"slot {load.slot} already has load generation {busy.load.generation} {busy.state}"
-                )
+                raise LoadRefused(f"slot {load.slot} already has load generation {busy.load.generation} {busy.state}")
             job = _Job(load, time.monotonic())
             self._jobs[load.slot] = job
         self._queue.put(job)
@@ -227,8 +230,13 @@ class LoadEngine:
                 reply = self._run(job)
             except Exception as error:  # never lose a reply: the coordinator waits on it
                 logger.exception("load of slot %d generation %d crashed", job.load.slot, job.load.generation)
-                reply = Loaded(slot=job.load.slot, generation=job.load.generation, ok=False,
-                               error=f"internal error: {error!r}", code=INTERNAL)
+                reply = Loaded(
+                    slot=job.load.slot,
+                    generation=job.load.generation,
+                    ok=False,
+                    error=f"internal error: {error!r}",
+                    code=INTERNAL,
+                )
             with self._lock:
                 del self._jobs[job.load.slot]
                 self._done.append(reply)
@@ -253,8 +261,13 @@ class LoadEngine:
         try:
             results = pool.read(view, ops, block_size=self._block_size)
         except ValueError as error:  # alignment or overlap refused before any read
-            return Loaded(slot=load.slot, generation=load.generation, ok=False,
-                          error=f"segment layout refused (op i is segment i): {error}", code=BAD_REQUEST)
+            return Loaded(
+                slot=load.slot,
+                generation=load.generation,
+                ok=False,
+                error=f"segment layout refused (op i is segment i): {error}",
+                code=BAD_REQUEST,
+            )
         finally:
             view.release()
         finished = time.monotonic()
@@ -355,5 +368,13 @@ class HintQueue:
             self._notify()
 
 
-__all__ = ["CANCELLED", "READ_FAILED", "SHORT_READ", "HintQueue", "LoadCounters", "LoadEngine", "LoadRefused",
-           "check_segments"]
+__all__ = [
+    "CANCELLED",
+    "READ_FAILED",
+    "SHORT_READ",
+    "HintQueue",
+    "LoadCounters",
+    "LoadEngine",
+    "LoadRefused",
+    "check_segments",
+]

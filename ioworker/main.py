@@ -22,6 +22,7 @@ from pathlib import Path
 
 import zmq
 
+from ioworker.engine import HintQueue, LoadEngine, LoadRefused, staging_for
 from native import DEFAULT_BLOCK_SIZE, BypassFile, OpenMode, check_block_size
 from native.staging import STAGING_REQUESTS, StagingRequest
 from shared.io_messages import (
@@ -50,8 +51,6 @@ from shared.protocol import (
     unpack_map,
 )
 from shared.slab import Slab
-
-from ioworker.engine import HintQueue, LoadEngine, LoadRefused, staging_for
 
 logger = logging.getLogger("ioworker")
 
@@ -96,13 +95,33 @@ def load_manifest(path: str | os.PathLike[str]) -> tuple[str, ...]:
 def worker_arguments(config: WorkerConfig) -> list[str]:
     """Command-line arguments that `parse_args` turns back into `config`."""
     args = [
-        "--index", str(config.index), "--endpoint", config.endpoint, "--manifest", config.manifest,
-        "--slab-name", config.slab_name, "--total-slots", str(config.total_slots),
-        "--slot-bytes", str(config.slot_bytes), "--block-size", str(config.block_size),
-        "--queue-depth", str(config.queue_depth), "--io-mode", config.io_mode, "--staging", config.staging,
-        "--hint-queue", str(config.hint_queue), "--handshake-timeout", str(config.handshake_timeout),
-        "--log-level", config.log_level,
-    ]  # fmt: skip
+        "--index",
+        str(config.index),
+        "--endpoint",
+        config.endpoint,
+        "--manifest",
+        config.manifest,
+        "--slab-name",
+        config.slab_name,
+        "--total-slots",
+        str(config.total_slots),
+        "--slot-bytes",
+        str(config.slot_bytes),
+        "--block-size",
+        str(config.block_size),
+        "--queue-depth",
+        str(config.queue_depth),
+        "--io-mode",
+        config.io_mode,
+        "--staging",
+        config.staging,
+        "--hint-queue",
+        str(config.hint_queue),
+        "--handshake-timeout",
+        str(config.handshake_timeout),
+        "--log-level",
+        config.log_level,
+    ]
     if config.death_fd is not None:
         args += ["--death-fd", str(config.death_fd)]
     if config.test_read_delay_ms:
@@ -121,8 +140,12 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerConfig:
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--queue-depth", type=int, default=8, help="concurrent reads")
     parser.add_argument("--io-mode", choices=["auto", "direct", "dontneed", "buffered"], default="auto")
-    parser.add_argument("--staging", choices=list(STAGING_REQUESTS), default="auto",
-                        help="direct reads through huge-page buffers (native/staging.py)")
+    parser.add_argument(
+        "--staging",
+        choices=list(STAGING_REQUESTS),
+        default="auto",
+        help="direct reads through huge-page buffers (native/staging.py)",
+    )
     parser.add_argument("--hint-queue", type=int, default=256, help="hint messages queued before drops")
     parser.add_argument("--death-fd", type=int, default=None, help="read end of the parent's death pipe")
     parser.add_argument("--handshake-timeout", type=float, default=10.0)
@@ -210,8 +233,9 @@ def _handshake(sock: zmq.Socket, config: WorkerConfig, wake_r: int, parent: int)
 class _Server:
     """Socket-thread state of a running worker."""
 
-    def __init__(self, sock: zmq.Socket, config: WorkerConfig, files: list[BypassFile],
-                 engine: LoadEngine, hints: HintQueue) -> None:  # fmt: skip
+    def __init__(
+        self, sock: zmq.Socket, config: WorkerConfig, files: list[BypassFile], engine: LoadEngine, hints: HintQueue
+    ) -> None:
         self.sock, self.config, self.files, self.engine, self.hints = sock, config, files, engine, hints
         self.bad_commands = 0
         self.last_hint_status = HintStatus()
@@ -251,8 +275,13 @@ class _Server:
                 self.bad_commands += 1
                 message = f"load of slot {command.slot} generation {command.generation} refused: {error}"
                 logger.warning("%s", message)
-                self.send(encode(Loaded(slot=command.slot, generation=command.generation, ok=False,
-                                        error=message, code=BAD_REQUEST)))  # fmt: skip
+                self.send(
+                    encode(
+                        Loaded(
+                            slot=command.slot, generation=command.generation, ok=False, error=message, code=BAD_REQUEST
+                        )
+                    )
+                )
         elif isinstance(command, Cancel):
             reply = self.engine.cancel(command.slot, command.generation)
             if reply is not None:
@@ -283,16 +312,32 @@ class _Server:
         queued, in_flight = self.engine.depth()
         staging, buffer = self.engine.staging_stats(), self.engine.staging_buffer
         return WorkerTelemetry(
-            index=self.config.index, pid=os.getpid(), loads=counters.loads, loads_failed=counters.loads_failed,
-            cancelled=counters.cancelled, cancel_misses=counters.cancel_misses, bytes=counters.bytes,
-            read_bytes=counters.read_bytes, read_ops=counters.read_ops, service_ms=counters.service_ms,
-            queued=queued, in_flight=in_flight, bad_commands=self.bad_commands, files=len(self.files),
+            index=self.config.index,
+            pid=os.getpid(),
+            loads=counters.loads,
+            loads_failed=counters.loads_failed,
+            cancelled=counters.cancelled,
+            cancel_misses=counters.cancel_misses,
+            bytes=counters.bytes,
+            read_bytes=counters.read_bytes,
+            read_ops=counters.read_ops,
+            service_ms=counters.service_ms,
+            queued=queued,
+            in_flight=in_flight,
+            bad_commands=self.bad_commands,
+            files=len(self.files),
             bypass_files=sum(f.mode in ("direct", "nocache") for f in self.files),
-            fallback_files=sum(f.fell_back for f in self.files), fallback_ops=counters.fallback_ops,
-            hints=self.hints.status(), staging=staging.enabled, staging_reason=self.engine.staging.reason,
-            staging_bytes=buffer.size if buffer else 0, staging_huge_bytes=buffer.huge_bytes if buffer else 0,
-            staged_reads=staging.staged_reads, staged_bytes=staging.staged_bytes, staging_copy_ms=staging.copy_ms,
-        )  # fmt: skip
+            fallback_files=sum(f.fell_back for f in self.files),
+            fallback_ops=counters.fallback_ops,
+            hints=self.hints.status(),
+            staging=staging.enabled,
+            staging_reason=self.engine.staging.reason,
+            staging_bytes=buffer.size if buffer else 0,
+            staging_huge_bytes=buffer.huge_bytes if buffer else 0,
+            staged_reads=staging.staged_reads,
+            staged_bytes=staging.staged_bytes,
+            staging_copy_ms=staging.copy_ms,
+        )
 
 
 def run_io_worker(config: WorkerConfig) -> int:
@@ -333,15 +378,30 @@ def run_io_worker(config: WorkerConfig) -> int:
             if file.fell_back:
                 logger.warning("%s: the filesystem refused O_DIRECT; reading %s", file.path, file.mode)
         staging = staging_for(files, largest_read=config.slot_bytes, requested=config.staging)
-        engine = LoadEngine(files=files, slab=slab, block_size=config.block_size,
-                            queue_depth=config.queue_depth, notify=lambda: _poke(notify_w),
-                            staging=staging, delay_s=config.test_read_delay_ms / 1e3)  # fmt: skip
+        engine = LoadEngine(
+            files=files,
+            slab=slab,
+            block_size=config.block_size,
+            queue_depth=config.queue_depth,
+            notify=lambda: _poke(notify_w),
+            staging=staging,
+            delay_s=config.test_read_delay_ms / 1e3,
+        )
         hints = HintQueue(files=files, capacity=config.hint_queue, notify=lambda: _poke(notify_w))
         server = _Server(sock, config, files, engine, hints)
-        sock.send(encode(Ready(index=config.index, pid=os.getpid(), block_size=config.block_size,
-                               modes=tuple(f.mode for f in files))))  # fmt: skip
-        logger.info("ready: %d files (%s), slab %s", len(files), ",".join(sorted({f.mode for f in files})),
-                    config.slab_name)  # fmt: skip
+        sock.send(
+            encode(
+                Ready(
+                    index=config.index,
+                    pid=os.getpid(),
+                    block_size=config.block_size,
+                    modes=tuple(f.mode for f in files),
+                )
+            )
+        )
+        logger.info(
+            "ready: %d files (%s), slab %s", len(files), ",".join(sorted({f.mode for f in files})), config.slab_name
+        )
         poller = zmq.Poller()
         for item in (sock, wake_r, notify_r, config.death_fd):
             if item is not None:

@@ -37,17 +37,34 @@ class IOWorkerPool:
     The run directory (manifest + ipc socket) and every child are gone on exit.
     """
 
-    def __init__(self, *, slab: Slab, manifest: Sequence[str | os.PathLike[str]], workers: int = 2,
-                 queue_depth: int = 8, block_size: int = DEFAULT_BLOCK_SIZE, io_mode: OpenMode = "auto",
-                 staging: StagingRequest = "auto",
-                 hint_queue: int = 256, hint_capacity: int = 64, start_timeout: float = 30.0,
-                 log_level: str = "INFO", test_read_delay_ms: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        slab: Slab,
+        manifest: Sequence[str | os.PathLike[str]],
+        workers: int = 2,
+        queue_depth: int = 8,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        io_mode: OpenMode = "auto",
+        staging: StagingRequest = "auto",
+        hint_queue: int = 256,
+        hint_capacity: int = 64,
+        start_timeout: float = 30.0,
+        log_level: str = "INFO",
+        test_read_delay_ms: float = 0.0,
+    ) -> None:
         self.slab = slab
         self.manifest = tuple(os.path.abspath(os.fspath(path)) for path in manifest)
         self.workers = require_int(workers, "workers", minimum=1)
-        self._options = dict(queue_depth=queue_depth, block_size=block_size, io_mode=io_mode, staging=staging,
-                             hint_queue=hint_queue, log_level=log_level,
-                             test_read_delay_ms=test_read_delay_ms)  # fmt: skip
+        self._options = dict(
+            queue_depth=queue_depth,
+            block_size=block_size,
+            io_mode=io_mode,
+            staging=staging,
+            hint_queue=hint_queue,
+            log_level=log_level,
+            test_read_delay_ms=test_read_delay_ms,
+        )
         self._hint_capacity = hint_capacity
         self._start_timeout = start_timeout
         self.run_dir: str | None = None
@@ -75,16 +92,26 @@ class IOWorkerPool:
             manifest_path = os.path.join(self.run_dir, "manifest.json")
             with open(manifest_path, "w") as handle:
                 json.dump(list(self.manifest), handle)
-            self._backend = IOWorkerBackend(slab=self.slab, endpoint=f"ipc://{self.run_dir}/io.sock",
-                                            workers=self.workers, files=len(self.manifest),
-                                            hint_capacity=self._hint_capacity)  # fmt: skip
+            self._backend = IOWorkerBackend(
+                slab=self.slab,
+                endpoint=f"ipc://{self.run_dir}/io.sock",
+                workers=self.workers,
+                files=len(self.manifest),
+                hint_capacity=self._hint_capacity,
+            )
             death_r, self._death_w = os.pipe()
             try:
                 for index in range(self.workers):
-                    config = WorkerConfig(index=index, endpoint=self._backend.endpoint, manifest=manifest_path,
-                                          slab_name=self.slab.name, total_slots=self.slab.total_slots,
-                                          slot_bytes=self.slab.slot_bytes, death_fd=death_r,
-                                          **self._options)  # type: ignore[arg-type]  # fmt: skip
+                    config = WorkerConfig(
+                        index=index,
+                        endpoint=self._backend.endpoint,
+                        manifest=manifest_path,
+                        slab_name=self.slab.name,
+                        total_slots=self.slab.total_slots,
+                        slot_bytes=self.slab.slot_bytes,
+                        death_fd=death_r,
+                        **self._options,
+                    )  # type: ignore[arg-type]
                     self.processes.append(spawn_io_worker(config))
             finally:
                 os.close(death_r)  # the children hold it now

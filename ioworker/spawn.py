@@ -81,8 +81,12 @@ class WorkerProcess:
         stream.close()
 
 
-_LEVELS = (("CRITICAL", logging.CRITICAL), ("ERROR", logging.ERROR), ("WARNING", logging.WARNING),
-           ("DEBUG", logging.DEBUG))  # fmt: skip
+_LEVELS = (
+    ("CRITICAL", logging.CRITICAL),
+    ("ERROR", logging.ERROR),
+    ("WARNING", logging.WARNING),
+    ("DEBUG", logging.DEBUG),
+)
 
 
 def io_worker_command(config: WorkerConfig, *, python: str = sys.executable) -> list[str]:
@@ -91,7 +95,10 @@ def io_worker_command(config: WorkerConfig, *, python: str = sys.executable) -> 
 
 
 def spawn_io_worker(
-    config: WorkerConfig, *, python: str = sys.executable, env: Mapping[str, str] | None = None,
+    config: WorkerConfig,
+    *,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
     new_group: bool = False,
 ) -> WorkerProcess:
     """Start one I/O worker; it connects to `config.endpoint` and says hello.

@@ -53,9 +53,7 @@ def check_block_size(block_size: int) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an integer, got {block_size!r}")
     if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size}"
-        )
+        raise ValueError(f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size}")
     return block_size
 
 
@@ -220,9 +218,7 @@ class ReadPool:
     def closed(self) -> bool:
         return self._pool.closed
 
-    def read(
-        self, region: object, ops: Sequence[ReadOp], *, block_size: int = DEFAULT_BLOCK_SIZE
-    ) -> list[ReadResult]:
+    def read(self, region: object, ops: Sequence[ReadOp], *, block_size: int = DEFAULT_BLOCK_SIZE) -> list[ReadResult]:
         """Fill `region` (a writable buffer, e.g. a slab mmap or a memoryview slice
         of it) with every op, blocking the caller with the GIL released.
 

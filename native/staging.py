@@ -108,14 +108,15 @@ def choose_staging(
     segment_bytes = min(segments for _, (segments, _) in limits) * PAGE  # type: ignore[misc]
     request_bytes = min(request for _, (_, request) in limits)  # type: ignore[misc]
     if segment_bytes >= min(request_bytes, largest_read):
-        reason = (f"reads of {largest_read} bytes are not split by the segment limit ({segment_bytes} bytes of "
-                  f"4 KiB pages, requests up to {request_bytes})")  # fmt: skip
+        reason = (
+            f"reads of {largest_read} bytes are not split by the segment limit ({segment_bytes} bytes of "
+            f"4 KiB pages, requests up to {request_bytes})"
+        )
         return StagingChoice(False, reason)
     stride = _round_up(min(largest_read + PAGE, request_bytes), HUGE_PAGE)
     return StagingChoice(
         True,
-        f"segment limit splits reads above {segment_bytes} bytes; the device takes requests up to "
-        f"{request_bytes}",
+        f"segment limit splits reads above {segment_bytes} bytes; the device takes requests up to {request_bytes}",
         stride,
         segment_bytes,
     )
@@ -144,8 +145,9 @@ class StagingBuffer:
 
     def __init__(self, *, threads: int, stride: int) -> None:
         if threads < 1 or stride <= 0 or stride % HUGE_PAGE:
-            raise ValueError(f"need threads >= 1 and a positive multiple of {HUGE_PAGE} as stride, "
-                             f"got {threads} and {stride}")  # fmt: skip
+            raise ValueError(
+                f"need threads >= 1 and a positive multiple of {HUGE_PAGE} as stride, got {threads} and {stride}"
+            )
         self.threads, self.stride, self.size = threads, stride, threads * stride
         self._map = mmap.mmap(-1, self.size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         anchor = ctypes.c_char.from_buffer(self._map)

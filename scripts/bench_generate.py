@@ -73,7 +73,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +100,17 @@ TELEMETRY = re.compile(r"job (\d+) lease telemetry: (\{.*\})")
 # ------------------------------------------------------------------------------------ the model
 
 
-def bench_config(*, layers: int, experts: int, hidden: int, moe_intermediate: int, top_k: int,
-                 scale_dtype: str, heads: int | None = None, kv_heads: int | None = None) -> dict:  # fmt: skip
+def bench_config(
+    *,
+    layers: int,
+    experts: int,
+    hidden: int,
+    moe_intermediate: int,
+    top_k: int,
+    scale_dtype: str,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+) -> dict:
     """A qwen3_moe config.json (Qwen3-30B-A3B's shapes at the defaults: hidden 2048, 32 heads of
     128, 4 KV heads, 128 experts of 768, top-8). The byte tokenizer keeps the vocabulary at 260."""
     head_dim = 128 if hidden >= 1024 else 16
@@ -135,8 +143,17 @@ def bench_config(*, layers: int, experts: int, hidden: int, moe_intermediate: in
 
 
 def _fingerprint(config: dict, bits: int, group_size: int, seed: int, residual_scale: float) -> str:
-    blob = json.dumps({"builder": BUILDER_VERSION, "config": config, "bits": bits, "group_size": group_size,
-                       "seed": seed, "residual_scale": residual_scale}, sort_keys=True)  # fmt: skip
+    blob = json.dumps(
+        {
+            "builder": BUILDER_VERSION,
+            "config": config,
+            "bits": bits,
+            "group_size": group_size,
+            "seed": seed,
+            "residual_scale": residual_scale,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -167,14 +184,19 @@ def scale_residual_branches(model: Any, scale: float) -> int:
     from mlx.utils import tree_flatten, tree_map_with_path
 
     names = {name for name, _ in tree_flatten(model.parameters()) if name.endswith(RESIDUAL_BRANCHES)}
-    model.update(tree_map_with_path(lambda path, value: value * scale if path in names else value,
-                                    model.parameters()))  # fmt: skip
+    model.update(tree_map_with_path(lambda path, value: value * scale if path in names else value, model.parameters()))
     return len(names)
 
 
-def ensure_bench_model(config: dict, *, bits: int, group_size: int = 64, seed: int = 0,
-                       residual_scale: float | None = None,
-                       cache_dir: Path | None = None) -> tuple[Path, bool, float]:  # fmt: skip
+def ensure_bench_model(
+    config: dict,
+    *,
+    bits: int,
+    group_size: int = 64,
+    seed: int = 0,
+    residual_scale: float | None = None,
+    cache_dir: Path | None = None,
+) -> tuple[Path, bool, float]:
     """The model directory for `config` quantized to `bits` (built unless cached); (path, built, seconds).
 
     mlx-lm's classes (`shared.demo_model.build_model`: seeded weights, random routers, cast to
@@ -210,8 +232,15 @@ def ensure_bench_model(config: dict, *, bits: int, group_size: int = 64, seed: i
         mx.clear_cache()
         save_config(quantized, config_path=staging / "config.json")
         write_tokenizer(staging)
-        record = {"fingerprint": fingerprint, "builder": BUILDER_VERSION, "bits": bits, "group_size": group_size,
-                  "seed": seed, "residual_scale": residual_scale, "config": config}  # fmt: skip
+        record = {
+            "fingerprint": fingerprint,
+            "builder": BUILDER_VERSION,
+            "bits": bits,
+            "group_size": group_size,
+            "seed": seed,
+            "residual_scale": residual_scale,
+            "config": config,
+        }
         (staging / FINGERPRINT_FILE).write_text(json.dumps(record, indent=2) + "\n")  # last: marks it complete
         if path.exists():
             shutil.rmtree(path)
@@ -328,8 +357,12 @@ class MlxLm:
             stamps.append(time.perf_counter())
             out.append(int(token))
         decode_s = stamps[-1] - stamps[0]
-        return {"tokens": out, "prefill_s": stamps[0] - begin, "decode_s": decode_s,
-                "decode_tok_s": (len(out) - 1) / decode_s if decode_s > 0 else 0.0}  # fmt: skip
+        return {
+            "tokens": out,
+            "prefill_s": stamps[0] - begin,
+            "decode_s": decode_s,
+            "decode_tok_s": (len(out) - 1) / decode_s if decode_s > 0 else 0.0,
+        }
 
     def moe_layer_ms(self, samples: int = 10) -> float:
         """One layer's MoE block (SwitchGLU) alone on one token with random top-k experts."""
@@ -380,8 +413,11 @@ def disk_bandwidth(store, *, experts: int, batch: int, threads: int, io_mode: st
         with ReadPool(threads=threads) as pool:
 
             def read(group) -> tuple[int, float]:
-                ops = [files[seg.file].op(seg.offset, seg.length, k * store.slot_bytes + seg.destination)
-                       for k, (layer, expert) in enumerate(group) for seg in store.locate(layer, expert).segments]
+                ops = [
+                    files[seg.file].op(seg.offset, seg.length, k * store.slot_bytes + seg.destination)
+                    for k, (layer, expert) in enumerate(group)
+                    for seg in store.locate(layer, expert).segments
+                ]
                 t0 = time.perf_counter()
                 results = pool.read(region, ops, block_size=store.block_size)
                 elapsed = time.perf_counter() - t0
@@ -430,8 +466,7 @@ class TelemetryLog(logging.Handler):
         match = TELEMETRY.search(record.getMessage())
         if match:
             with self._lock:
-                self.records.append({"job": int(match.group(1)), "logger": record.name,
-                                     **json.loads(match.group(2))})  # fmt: skip
+                self.records.append({"job": int(match.group(1)), "logger": record.name, **json.loads(match.group(2))})
 
     def count(self) -> int:
         with self._lock:
@@ -451,8 +486,26 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
     """Per-layer decode figures of one job's telemetry (means per layer visit / per token)."""
     if record is None:
         return None
-    rows = [dict(zip(("layer", "phase", "visits", "round_trips", "wait_ms", "copy_ms", "experts", "hits",
-                      "bytes_copied", "exposed_copy_ms"), row)) for row in record["layers"]]  # fmt: skip
+    rows = [
+        dict(
+            zip(
+                (
+                    "layer",
+                    "phase",
+                    "visits",
+                    "round_trips",
+                    "wait_ms",
+                    "copy_ms",
+                    "experts",
+                    "hits",
+                    "bytes_copied",
+                    "exposed_copy_ms",
+                ),
+                row,
+            )
+        )
+        for row in record["layers"]
+    ]
     decode = [r for r in rows if r["phase"] == "decode" and r["layer"] >= 0]
     end = [r for r in rows if r["phase"] == "decode" and r["layer"] < 0]
     visits = sum(r["visits"] for r in decode)
@@ -475,23 +528,49 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
         "misses_per_token": misses / passes,
         "misses_per_visit": misses / visits,
         "miss_bytes_per_token": misses * expert_bytes / passes,
-        "per_layer": {str(r["layer"]): {"ipc_wait_ms": r["wait_ms"] / r["visits"], "copy_ms": r["copy_ms"] / r["visits"],
-                                        "misses": (r["experts"] - r["hits"]) / r["visits"]}
-                      for r in decode if r["visits"]},  # fmt: skip
+        "per_layer": {
+            str(r["layer"]): {
+                "ipc_wait_ms": r["wait_ms"] / r["visits"],
+                "copy_ms": r["copy_ms"] / r["visits"],
+                "misses": (r["experts"] - r["hits"]) / r["visits"],
+            }
+            for r in decode
+            if r["visits"]
+        },
     }
 
 
-TELEMETRY_KEYS = ("ipc_wait_ms_per_layer", "copy_ms_per_layer", "round_trips_per_layer", "end_step_fence_ms_per_token",
-                  "ipc_wait_ms_per_token", "copy_ms_per_token", "exposed_copy_ms_per_token", "copied_MB_per_token", "misses_per_token",
-                  "misses_per_visit", "miss_bytes_per_token")  # fmt: skip
+TELEMETRY_KEYS = (
+    "ipc_wait_ms_per_layer",
+    "copy_ms_per_layer",
+    "round_trips_per_layer",
+    "end_step_fence_ms_per_token",
+    "ipc_wait_ms_per_token",
+    "copy_ms_per_token",
+    "exposed_copy_ms_per_token",
+    "copied_MB_per_token",
+    "misses_per_token",
+    "misses_per_visit",
+    "miss_bytes_per_token",
+)
 
 
 class System:
     """One started system (`shared.launch.start_system`) with `slots_per_layer` resident slots."""
 
-    def __init__(self, store, *, name: str, slots_per_layer: int, io_workers: int, io_mode: str,
-                 working_slots: int | None, telemetry: TelemetryLog, expert_bytes: int,
-                 compute_lanes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store,
+        *,
+        name: str,
+        slots_per_layer: int,
+        io_workers: int,
+        io_mode: str,
+        working_slots: int | None,
+        telemetry: TelemetryLog,
+        expert_bytes: int,
+        compute_lanes: int | None = None,
+    ) -> None:
         from coordinator.residency_plan import DEFAULT_EXPERT_WORKING_SLOTS
         from shared.launch import DEFAULT_KV_RESERVE_BYTES, start_system
 
@@ -500,9 +579,16 @@ class System:
         kv = DEFAULT_KV_RESERVE_BYTES
         budget = store.dense_bytes + kv + (working + len(store.sparse_layers) * slots_per_layer) * store.slot_bytes
         started = time.perf_counter()
-        self.system = start_system(model_dir=store.model_dir, memory_budget=budget, io_workers=io_workers,
-                                   working_slots=working, slots_per_layer=slots_per_layer, io_mode=io_mode,
-                                   kv_reserve_bytes=kv, compute_lanes=compute_lanes)  # fmt: skip
+        self.system = start_system(
+            model_dir=store.model_dir,
+            memory_budget=budget,
+            io_workers=io_workers,
+            working_slots=working,
+            slots_per_layer=slots_per_layer,
+            io_mode=io_mode,
+            kv_reserve_bytes=kv,
+            compute_lanes=compute_lanes,
+        )
         self.startup_s = time.perf_counter() - started
         self.jobs: list[dict[str, Any]] = []
         self.rss = 0
@@ -510,8 +596,16 @@ class System:
     def stop(self) -> None:
         self.system.stop()
 
-    def job(self, prompt: list[int], tokens: int, *, expected: list[int] | None, temperature: float, seed: int,
-            warmup: bool = False) -> dict[str, Any]:  # fmt: skip
+    def job(
+        self,
+        prompt: list[int],
+        tokens: int,
+        *,
+        expected: list[int] | None,
+        temperature: float,
+        seed: int,
+        warmup: bool = False,
+    ) -> dict[str, Any]:
         from shared.client import Client
         from shared.job_messages import TokenEvent
 
@@ -537,13 +631,20 @@ class System:
             "decode_tok_s": (stats.generated_tokens - 1) / decode_s if decode_s else 0.0,
             "coordinator_decode_tok_s": stats.decode_tok_s,
             "prefill_tok_s": stats.prefill_tok_s,
-            "hits": stats.hits, "misses": stats.misses, "hit_rate": stats.hit_rate,
-            "bytes_read": stats.bytes_read, "disk_p50_ms": stats.disk_p50_ms, "disk_p99_ms": stats.disk_p99_ms,
-            "wait_p50_ms": stats.wait_p50_ms, "wait_p99_ms": stats.wait_p99_ms,
-            "bytes_copied": stats.bytes_copied, "wrap_path": stats.wrap_path,
-            "evictions": stats.evictions, "footprint_bytes": stats.footprint_bytes,
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "hit_rate": stats.hit_rate,
+            "bytes_read": stats.bytes_read,
+            "disk_p50_ms": stats.disk_p50_ms,
+            "disk_p99_ms": stats.disk_p99_ms,
+            "wait_p50_ms": stats.wait_p50_ms,
+            "wait_p99_ms": stats.wait_p99_ms,
+            "bytes_copied": stats.bytes_copied,
+            "wrap_path": stats.wrap_path,
+            "evictions": stats.evictions,
+            "footprint_bytes": stats.footprint_bytes,
             "telemetry": summarize_telemetry(record, expert_bytes=self.expert_bytes),
-        }  # fmt: skip
+        }
         self.jobs.append(job)
         return job
 
@@ -599,41 +700,72 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     shape.add_argument("--top-k", type=int, default=8)
     shape.add_argument("--bits", type=int, default=4)
     shape.add_argument("--group-size", type=int, default=64)
-    shape.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="dtype of the quantization scales/biases and every unquantized float")
+    shape.add_argument(
+        "--scale-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the quantization scales/biases and every unquantized float",
+    )
     shape.add_argument("--seed", type=int, default=0, help="weights seed")
-    shape.add_argument("--residual-scale", type=float, default=None,
-                       help="factor on attention-out and expert-down weights (default 1/sqrt(hidden)); see "
-                            "scale_residual_branches")  # fmt: skip
-    shape.add_argument("--cache-dir", type=Path, default=None, help="where built models are cached "
-                       "(default <repo>/.cache)")  # fmt: skip
+    shape.add_argument(
+        "--residual-scale",
+        type=float,
+        default=None,
+        help="factor on attention-out and expert-down weights (default 1/sqrt(hidden)); see scale_residual_branches",
+    )
+    shape.add_argument(
+        "--cache-dir", type=Path, default=None, help="where built models are cached (default <repo>/.cache)"
+    )
     shape.add_argument("--model", type=Path, default=None, help="use this model directory instead")
     run = parser.add_argument_group("the run")
     run.add_argument("--tokens", type=int, default=32, help="tokens generated per job")
     run.add_argument("--prompt-tokens", type=int, default=16)
-    run.add_argument("--temperature", type=float, default=0.0,
-                     help="sampling temperature of every job (0: greedy); mlx-lm samples the same way")
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every job (0: greedy); mlx-lm samples the same way",
+    )
     run.add_argument("--sample-seed", type=int, default=0, help="the jobs' sampling seed (same for mlx-lm)")
     run.add_argument("--repeats", type=int, default=3, help="measured rounds; medians reported")
-    run.add_argument("--resident-fraction", type=float, default=0.25,
-                     help="streaming run: slots per layer = experts x this")  # fmt: skip
+    run.add_argument(
+        "--resident-fraction", type=float, default=0.25, help="streaming run: slots per layer = experts x this"
+    )
     run.add_argument("--io-workers", type=int, default=2)
-    run.add_argument("--io-mode", choices=("auto", "direct", "buffered"), default="auto",
-                     help="auto: buffered where the model is on tmpfs, else direct")  # fmt: skip
+    run.add_argument(
+        "--io-mode",
+        choices=("auto", "direct", "buffered"),
+        default="auto",
+        help="auto: buffered where the model is on tmpfs, else direct",
+    )
     run.add_argument("--working-slots", type=int, default=None)
-    run.add_argument("--compute-lanes", type=int, default=None,
-                     help="the GPU worker's --compute-lanes (default: its auto choice)")
+    run.add_argument(
+        "--compute-lanes", type=int, default=None, help="the GPU worker's --compute-lanes (default: its auto choice)"
+    )
     run.add_argument("--disk-experts", type=int, default=64, help="experts read per disk measurement")
     run.add_argument("--skip", default="", help="comma-separated parts to skip: resident,streaming")
-    run.add_argument("--sequential", action="store_true",
-                     help="mlx-lm first (then freed), then each system alone; default: mlx-lm stays loaded "
-                          "and every round runs mlx-lm, the resident job and the streaming job back to back, "
-                          "so a noisy machine slows all three alike")  # fmt: skip
+    run.add_argument(
+        "--sequential",
+        action="store_true",
+        help="mlx-lm first (then freed), then each system alone; default: mlx-lm stays loaded "
+        "and every round runs mlx-lm, the resident job and the streaming job back to back, "
+        "so a noisy machine slows all three alike",
+    )
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the children's log lines")
     args = parser.parse_args(argv)
-    for name in ("layers", "experts", "hidden", "moe_intermediate", "top_k", "tokens", "prompt_tokens", "repeats",
-                 "io_workers", "disk_experts"):  # fmt: skip
+    for name in (
+        "layers",
+        "experts",
+        "hidden",
+        "moe_intermediate",
+        "top_k",
+        "tokens",
+        "prompt_tokens",
+        "repeats",
+        "io_workers",
+        "disk_experts",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.resident_fraction <= 1:
@@ -656,8 +788,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 class Bench:
     """The measurements of one run; `report` is what --json prints."""
 
-    def __init__(self, args: argparse.Namespace, store, model_dir: Path, io_mode: str, telemetry: TelemetryLog,
-                 say) -> None:  # fmt: skip
+    def __init__(
+        self, args: argparse.Namespace, store, model_dir: Path, io_mode: str, telemetry: TelemetryLog, say
+    ) -> None:
         self.args, self.store, self.model_dir, self.io_mode = args, store, model_dir, io_mode
         self.telemetry, self.say = telemetry, say
         self.prompt = prompt_tokens(args.prompt_tokens)
@@ -675,18 +808,31 @@ class Bench:
 
     def start(self, part: str) -> System:
         store = self.store
-        slots = store.experts_per_layer if part == "resident" else max(
-            1, round(store.experts_per_layer * self.args.resident_fraction))  # fmt: skip
-        system = System(store, name=part, slots_per_layer=slots, io_workers=self.args.io_workers,
-                        io_mode=self.io_mode, working_slots=self.args.working_slots, telemetry=self.telemetry,
-                        expert_bytes=self.expert_bytes, compute_lanes=self.args.compute_lanes)  # fmt: skip
+        slots = (
+            store.experts_per_layer
+            if part == "resident"
+            else max(1, round(store.experts_per_layer * self.args.resident_fraction))
+        )
+        system = System(
+            store,
+            name=part,
+            slots_per_layer=slots,
+            io_workers=self.args.io_workers,
+            io_mode=self.io_mode,
+            working_slots=self.args.working_slots,
+            telemetry=self.telemetry,
+            expert_bytes=self.expert_bytes,
+            compute_lanes=self.args.compute_lanes,
+        )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the
         # measured jobs then run from hits only); the streaming one reaches its steady state.
         job = system.job(self.prompt, self.args.tokens, expected=self.expected, warmup=True, **self.sample)
-        self.say(f"{part}: started in {system.startup_s:.1f} s ({system.system.plan.slots_per_layer} of "
-                 f"{store.experts_per_layer} experts per layer resident); warm-up job {job['decode_tok_s']:.3f} "
-                 f"tok/s, {job['misses']} misses")  # fmt: skip
+        self.say(
+            f"{part}: started in {system.startup_s:.1f} s ({system.system.plan.slots_per_layer} of "
+            f"{store.experts_per_layer} experts per layer resident); warm-up job {job['decode_tok_s']:.3f} "
+            f"tok/s, {job['misses']} misses"
+        )
         return system
 
     def baseline(self, mlx: MlxLm) -> None:
@@ -698,12 +844,26 @@ class Bench:
 
     def disk(self) -> None:
         streaming = self.systems.get("streaming")
-        per_visit = median([job["telemetry"]["misses_per_visit"] for job in streaming.jobs
-                            if job["telemetry"] and job["telemetry"].get("decode_passes")]) if streaming else 0.0
+        per_visit = (
+            median(
+                [
+                    job["telemetry"]["misses_per_visit"]
+                    for job in streaming.jobs
+                    if job["telemetry"] and job["telemetry"].get("decode_passes")
+                ]
+            )
+            if streaming
+            else 0.0
+        )
         batch = max(1, round(per_visit)) if streaming else self.store.top_k
-        result = disk_bandwidth(self.store, experts=self.args.disk_experts, batch=batch,
-                                threads=self.args.io_workers * 8, io_mode=self.io_mode,
-                                seed=7 + len(self.disk_runs))  # other experts each time  # fmt: skip
+        result = disk_bandwidth(
+            self.store,
+            experts=self.args.disk_experts,
+            batch=batch,
+            threads=self.args.io_workers * 8,
+            io_mode=self.io_mode,
+            seed=7 + len(self.disk_runs),
+        )  # other experts each time
         result["misses_per_visit"] = per_visit
         self.disk_runs.append(result)
 
@@ -722,10 +882,11 @@ class Bench:
                 for part in self.parts:
                     self.systems[part].job(self.prompt, self.args.tokens, expected=self.expected, **self.sample)
                 self.disk()
-                self.say(f"round {round_ + 1}: mlx-lm {self.base_runs[-1]['decode_tok_s']:.3f} tok/s"
-                         + "".join(f", {part} {self.systems[part].jobs[-1]['decode_tok_s']:.3f}"
-                                   for part in self.parts)
-                         + f", disk {self.disk_runs[-1]['MBps']:.0f} MB/s")  # fmt: skip
+                self.say(
+                    f"round {round_ + 1}: mlx-lm {self.base_runs[-1]['decode_tok_s']:.3f} tok/s"
+                    + "".join(f", {part} {self.systems[part].jobs[-1]['decode_tok_s']:.3f}" for part in self.parts)
+                    + f", disk {self.disk_runs[-1]['MBps']:.0f} MB/s"
+                )
         finally:
             for system in self.systems.values():
                 system.stop()
@@ -757,7 +918,7 @@ class Bench:
     # -- the figures
 
     def report(self) -> dict[str, Any]:
-        store, args = self.store, self.args
+        args = self.args
         base_tok_s = median([run["decode_tok_s"] for run in self.base_runs])
         report: dict[str, Any] = {
             "order": "sequential" if args.sequential else "interleaved",
@@ -773,12 +934,22 @@ class Bench:
                 "repeat_tokens_equal": all(run["tokens_equal_first"] for run in self.base_runs),
             },
         }
-        disk = {k: median([run[k] for run in self.disk_runs]) for k in ("MBps", "single_expert_ms", "single_MBps",
-                                                                        "misses_per_visit")} if self.disk_runs else {}
+        disk = (
+            {
+                k: median([run[k] for run in self.disk_runs])
+                for k in ("MBps", "single_expert_ms", "single_MBps", "misses_per_visit")
+            }
+            if self.disk_runs
+            else {}
+        )
         if self.disk_runs:
-            disk.update(mode=self.disk_runs[0]["mode"], batch=self.disk_runs[0]["batch"],
-                        threads=self.disk_runs[0]["threads"], experts=self.disk_runs[0]["experts"],
-                        MBps_runs=[run["MBps"] for run in self.disk_runs])  # fmt: skip
+            disk.update(
+                mode=self.disk_runs[0]["mode"],
+                batch=self.disk_runs[0]["batch"],
+                threads=self.disk_runs[0]["threads"],
+                experts=self.disk_runs[0]["experts"],
+                MBps_runs=[run["MBps"] for run in self.disk_runs],
+            )
         report["disk"] = disk
         ok = report["mlx_lm"]["repeat_tokens_equal"]
         for part, system in self.systems.items():
@@ -789,8 +960,9 @@ class Bench:
         if resident:
             resident["vs_mlx_lm"] = resident["decode_tok_s"] / base_tok_s if base_tok_s else 0.0
             if not args.sequential:  # the same round's mlx-lm run
-                resident["vs_mlx_lm_rounds"] = [r / b["decode_tok_s"] for r, b in
-                                                zip(resident["decode_tok_s_runs"], self.base_runs)]  # fmt: skip
+                resident["vs_mlx_lm_rounds"] = [
+                    r / b["decode_tok_s"] for r, b in zip(resident["decode_tok_s_runs"], self.base_runs)
+                ]
                 resident["vs_mlx_lm_round_median"] = median(resident["vs_mlx_lm_rounds"])
         if streaming and disk:
             miss_bytes = streaming.get("miss_bytes_per_token", 0.0)
@@ -810,8 +982,11 @@ class Bench:
                 roof["ratio"] = streaming["decode_tok_s"] / roof["roofline_tok_s"]
                 if not args.sequential:  # each round against its own resident job and disk figure
                     roof["ratio_rounds"] = [
-                        got / roofline(1 / res, miss_bytes, disk_run["MBps"]) for got, res, disk_run in
-                        zip(streaming["decode_tok_s_runs"], resident["decode_tok_s_runs"], self.disk_runs)]  # fmt: skip
+                        got / roofline(1 / res, miss_bytes, disk_run["MBps"])
+                        for got, res, disk_run in zip(
+                            streaming["decode_tok_s_runs"], resident["decode_tok_s_runs"], self.disk_runs
+                        )
+                    ]
                     roof["ratio_round_median"] = median(roof["ratio_rounds"])
             streaming["roofline"] = roof
         report["tokens_match"] = bool(ok)
@@ -820,46 +995,63 @@ class Bench:
 
 def print_report(report: dict[str, Any], say) -> None:
     base = report["mlx_lm"]
-    say(f"mlx-lm: {base['decode_tok_s']:.3f} tok/s decode (runs {_fmt(base['decode_tok_s_runs'])}); one layer's MoE "
-        f"{base['moe_layer_ms']:.1f} ms; load {base['load_s']:.1f} s")  # fmt: skip
+    say(
+        f"mlx-lm: {base['decode_tok_s']:.3f} tok/s decode (runs {_fmt(base['decode_tok_s_runs'])}); one layer's MoE "
+        f"{base['moe_layer_ms']:.1f} ms; load {base['load_s']:.1f} s"
+    )
     disk = report.get("disk")
     if disk:
-        say(f"disk ({disk['mode']}): {disk['MBps']:.0f} MB/s (runs {_fmt(disk['MBps_runs'], 0)}) reading "
+        say(
+            f"disk ({disk['mode']}): {disk['MBps']:.0f} MB/s (runs {_fmt(disk['MBps_runs'], 0)}) reading "
             f"{disk['experts']} random experts in batches of {disk['batch']} (a decode layer visit misses "
             f"{disk['misses_per_visit']:.2f}) on {disk['threads']} threads; one expert alone "
-            f"{disk['single_expert_ms']:.2f} ms ({disk['single_MBps']:.0f} MB/s)")  # fmt: skip
+            f"{disk['single_expert_ms']:.2f} ms ({disk['single_MBps']:.0f} MB/s)"
+        )
     for part in ("resident", "streaming"):
         s = report.get(part)
         if not s:
             continue
-        head = (f"{part} ({s['slots_per_layer']} slots per layer, {s['resident_fraction']:.0%} of the experts, "
-                f"{s.get('compute_lanes', '?')} compute lanes): "
-                f"{s['decode_tok_s']:.3f} tok/s (runs {_fmt(s['decode_tok_s_runs'])})")  # fmt: skip
+        head = (
+            f"{part} ({s['slots_per_layer']} slots per layer, {s['resident_fraction']:.0%} of the experts, "
+            f"{s.get('compute_lanes', '?')} compute lanes): "
+            f"{s['decode_tok_s']:.3f} tok/s (runs {_fmt(s['decode_tok_s_runs'])})"
+        )
         if part == "resident":
             head += f" = {s['vs_mlx_lm']:.3f} x mlx-lm"
             if "vs_mlx_lm_rounds" in s:
                 head += f" (per round {_fmt(s['vs_mlx_lm_rounds'])})"
         say(head)
-        say(f"  hit rate {s['hit_rate']:.3f}, misses per job {s['misses_per_job']}, "
+        say(
+            f"  hit rate {s['hit_rate']:.3f}, misses per job {s['misses_per_job']}, "
             f"{s.get('misses_per_token', 0):.2f} misses = {s.get('miss_bytes_per_token', 0) / MB:.2f} MB per decode "
-            f"token; I/O workers' disk p50/p99 {s['disk_p50_ms']:.2f}/{s['disk_p99_ms']:.2f} ms")  # fmt: skip
-        say(f"  per layer visit: IPC wait {s.get('ipc_wait_ms_per_layer', 0):.3f} ms"
+            f"token; I/O workers' disk p50/p99 {s['disk_p50_ms']:.2f}/{s['disk_p99_ms']:.2f} ms"
+        )
+        say(
+            f"  per layer visit: IPC wait {s.get('ipc_wait_ms_per_layer', 0):.3f} ms"
             f"{' (incl. loads)' if part == 'streaming' else ''}, copy {s.get('copy_ms_per_layer', 0):.3f} ms; "
             f"end-of-step fence {s.get('end_step_fence_ms_per_token', 0):.3f} ms; per token: IPC "
             f"{s.get('ipc_wait_ms_per_token', 0):.1f} ms, copy {s.get('copy_ms_per_token', 0):.1f} ms "
-            f"({s.get('exposed_copy_ms_per_token', 0):.1f} not overlapped; {s.get('copied_MB_per_token', 0):.1f} MB); tokens {'match' if s['tokens_match'] else 'DIFFER'}")  # fmt: skip
+            f"({s.get('exposed_copy_ms_per_token', 0):.1f} not overlapped; {s.get('copied_MB_per_token', 0):.1f} MB); "
+            f"tokens {'match' if s['tokens_match'] else 'DIFFER'}"
+        )
         roof = s.get("roofline")
         if roof:
             if "roofline_tok_s" in roof:
-                say(f"  roofline 1/(t_compute {roof['t_compute_resident_s'] * 1e3:.1f} ms [resident] + "
+                say(
+                    f"  roofline 1/(t_compute {roof['t_compute_resident_s'] * 1e3:.1f} ms [resident] + "
                     f"{roof['disk_s_per_token'] * 1e3:.1f} ms disk) = {roof['roofline_tok_s']:.3f} tok/s -> "
                     f"ratio {roof['ratio']:.3f}"
-                    + (f" (per round {_fmt(roof['ratio_rounds'])})" if "ratio_rounds" in roof else ""))  # fmt: skip
-            say(f"  roofline 1/(t_compute {roof['t_compute_mlx_lm_s'] * 1e3:.1f} ms [mlx-lm] + "
+                    + (f" (per round {_fmt(roof['ratio_rounds'])})" if "ratio_rounds" in roof else "")
+                )
+            say(
+                f"  roofline 1/(t_compute {roof['t_compute_mlx_lm_s'] * 1e3:.1f} ms [mlx-lm] + "
                 f"{roof['disk_s_per_token'] * 1e3:.1f} ms disk) = {roof['roofline_tok_s_mlx_lm']:.3f} tok/s -> "
-                f"ratio {roof['ratio_mlx_lm']:.3f}")  # fmt: skip
-    say(f"tokens: {'all equal to mlx-lm' if report['tokens_match'] else 'DIFFER from mlx-lm'} "
-        f"({report['expected_tokens']} per job)")  # fmt: skip
+                f"ratio {roof['ratio_mlx_lm']:.3f}"
+            )
+    say(
+        f"tokens: {'all equal to mlx-lm' if report['tokens_match'] else 'DIFFER from mlx-lm'} "
+        f"({report['expected_tokens']} per job)"
+    )
 
 
 def _fmt(values: Sequence[float], digits: int = 3) -> str:
@@ -884,22 +1076,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model is not None:
         model_dir, built, build_s = args.model.resolve(), False, 0.0
     else:
-        config = bench_config(layers=args.layers, experts=args.experts, hidden=args.hidden,
-                              moe_intermediate=args.moe_intermediate, top_k=args.top_k,
-                              scale_dtype=args.scale_dtype)  # fmt: skip
-        model_dir, built, build_s = ensure_bench_model(config, bits=args.bits, group_size=args.group_size,
-                                                       seed=args.seed, residual_scale=args.residual_scale,
-                                                       cache_dir=args.cache_dir)  # fmt: skip
+        config = bench_config(
+            layers=args.layers,
+            experts=args.experts,
+            hidden=args.hidden,
+            moe_intermediate=args.moe_intermediate,
+            top_k=args.top_k,
+            scale_dtype=args.scale_dtype,
+        )
+        model_dir, built, build_s = ensure_bench_model(
+            config,
+            bits=args.bits,
+            group_size=args.group_size,
+            seed=args.seed,
+            residual_scale=args.residual_scale,
+            cache_dir=args.cache_dir,
+        )
     store = ExpertStore.open(model_dir)
-    io_mode = args.io_mode if args.io_mode != "auto" else (
-        "buffered" if mount_type(model_dir) in ("tmpfs", "ramfs") else "direct")  # fmt: skip
+    io_mode = (
+        args.io_mode
+        if args.io_mode != "auto"
+        else ("buffered" if mount_type(model_dir) in ("tmpfs", "ramfs") else "direct")
+    )
     first = store.layout(store.sparse_layers[0], 0)
     scale_dtypes = sorted({t.dtype for t in first if not t.name.endswith(".weight")})
     expert_bytes = sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
-    say(f"model: {model_dir} ({'built in %.0f s' % build_s if built else 'cached'}): {store.config.get('model_type')}, "
+    say(
+        f"model: {model_dir} ({f'built in {build_s:.0f} s' if built else 'cached'}): {store.config.get('model_type')}, "
         f"{len(store.sparse_layers)} sparse layers x {store.experts_per_layer} experts (top-{store.top_k}), "
         f"{store.expert_bytes / 1e9:.2f} GB of experts ({expert_bytes / MB:.2f} MB each, scales "
-        f"{'/'.join(scale_dtypes)}), {store.dense_bytes / MB:.1f} MB dense; I/O {io_mode}")  # fmt: skip
+        f"{'/'.join(scale_dtypes)}), {store.dense_bytes / MB:.1f} MB dense; I/O {io_mode}"
+    )
     bench = Bench(args, store, model_dir, io_mode, telemetry, say)
     with MemoryWatch() as memory:
         if args.sequential:
@@ -909,18 +1116,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = bench.report()
     report["argv"] = list(sys.argv[1:] if argv is None else argv)
     report["model"] = {
-        "dir": str(model_dir), "built": built, "build_s": build_s, "model_type": store.config.get("model_type"),
-        "sparse_layers": len(store.sparse_layers), "experts_per_layer": store.experts_per_layer,
-        "top_k": store.top_k, "expert_bytes": expert_bytes, "slot_bytes": store.slot_bytes,
-        "routed_expert_bytes": store.expert_bytes, "dense_bytes": store.dense_bytes,
-        "scale_dtypes": scale_dtypes, "io_mode": io_mode,
-    }  # fmt: skip
-    report["memory"] = {"machine_peak_used_bytes": memory.peak_used, "machine_used_before_bytes": memory.baseline_used,
-                        "machine_total_bytes": _total_memory()}  # fmt: skip
+        "dir": str(model_dir),
+        "built": built,
+        "build_s": build_s,
+        "model_type": store.config.get("model_type"),
+        "sparse_layers": len(store.sparse_layers),
+        "experts_per_layer": store.experts_per_layer,
+        "top_k": store.top_k,
+        "expert_bytes": expert_bytes,
+        "slot_bytes": store.slot_bytes,
+        "routed_expert_bytes": store.expert_bytes,
+        "dense_bytes": store.dense_bytes,
+        "scale_dtypes": scale_dtypes,
+        "io_mode": io_mode,
+    }
+    report["memory"] = {
+        "machine_peak_used_bytes": memory.peak_used,
+        "machine_used_before_bytes": memory.baseline_used,
+        "machine_total_bytes": _total_memory(),
+    }
     say("")
     print_report(report, say)
-    say(f"memory: machine peak {memory.peak_used / 2**30:.2f} GiB used (before the run "
-        f"{memory.baseline_used / 2**30:.2f} GiB)")  # fmt: skip
+    say(
+        f"memory: machine peak {memory.peak_used / 2**30:.2f} GiB used (before the run "
+        f"{memory.baseline_used / 2**30:.2f} GiB)"
+    )
     if args.json:
         print(json.dumps(report))
     return 0 if report["tokens_match"] else 1

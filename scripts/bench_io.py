@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ioworker.pool import IOWorkerPool
 from coordinator.residency_plan import ExpertIOSegment, summarize_expert_latencies
+from ioworker.pool import IOWorkerPool
 from native import DEFAULT_BLOCK_SIZE, advise_dontneed
 from shared.slab import SLOT_ALIGNMENT, Slab
 
@@ -114,15 +114,29 @@ def model_loads(model: str, count: int, seed: int) -> tuple[list[str], int, list
     return list(store.manifest), store.slot_bytes, loads
 
 
-async def bench_workers(manifest: list[str], slot_bytes: int, loads: list[tuple[ExpertIOSegment, ...]],
-                        *, workers: int, queue_depth: int, io_mode: str, staging: str) -> dict:  # fmt: skip
+async def bench_workers(
+    manifest: list[str],
+    slot_bytes: int,
+    loads: list[tuple[ExpertIOSegment, ...]],
+    *,
+    workers: int,
+    queue_depth: int,
+    io_mode: str,
+    staging: str,
+) -> dict:
     """Pipelined loads: every slot busy, so workers x depth reads are outstanding."""
     slots = min(len(loads), max(2 * workers * queue_depth, 4))
     service, latency = [], []
     with Slab.create(total_slots=slots, slot_bytes=slot_bytes, prefault=True) as slab:
-        async with IOWorkerPool(slab=slab, manifest=manifest, workers=workers, queue_depth=queue_depth,
-                                io_mode=io_mode, staging=staging,  # type: ignore[arg-type]
-                                log_level="WARNING") as pool:  # fmt: skip
+        async with IOWorkerPool(
+            slab=slab,
+            manifest=manifest,
+            workers=workers,
+            queue_depth=queue_depth,
+            io_mode=io_mode,
+            staging=staging,  # type: ignore[arg-type]
+            log_level="WARNING",
+        ) as pool:
             backend = pool.backend
             modes = sorted({m for per_worker in backend.worker_modes().values() for m in per_worker})
 
@@ -160,16 +174,26 @@ async def bench_workers(manifest: list[str], slot_bytes: int, loads: list[tuple[
             if len(telemetry) != workers:
                 raise RuntimeError(f"telemetry from {len(telemetry)} of {workers} workers")
     staged = dict(
-        staging=all(t.staging for t in telemetry), staging_reason=telemetry[0].staging_reason,
+        staging=all(t.staging for t in telemetry),
+        staging_reason=telemetry[0].staging_reason,
         staged_bytes=sum(t.staged_bytes for t in telemetry),
         staging_copy_ms=sum(t.staging_copy_ms for t in telemetry),
         staging_bytes=sum(t.staging_bytes for t in telemetry),
         staging_huge_bytes=sum(t.staging_huge_bytes for t in telemetry),
-    )  # fmt: skip
+    )
     svc, lat = summarize_expert_latencies(service), summarize_expert_latencies(latency)
-    return dict(MBps=total / elapsed / MB, seconds=elapsed, bytes=total, p50_ms=svc.p50_ms, p99_ms=svc.p99_ms,
-                latency_p50_ms=lat.p50_ms, latency_p99_ms=lat.p99_ms, io_modes=modes, slots=slots,
-                **staged)  # fmt: skip
+    return dict(
+        MBps=total / elapsed / MB,
+        seconds=elapsed,
+        bytes=total,
+        p50_ms=svc.p50_ms,
+        p99_ms=svc.p99_ms,
+        latency_p50_ms=lat.p50_ms,
+        latency_p99_ms=lat.p99_ms,
+        io_modes=modes,
+        slots=slots,
+        **staged,
+    )
 
 
 def bench_python(manifest: list[str], loads: list[tuple[ExpertIOSegment, ...]], threads: int) -> dict:
@@ -201,28 +225,55 @@ def bench_python(manifest: list[str], loads: list[tuple[ExpertIOSegment, ...]], 
     return dict(MBps=total / elapsed / MB, p50_ms=summary.p50_ms, p99_ms=summary.p99_ms, threads=threads)
 
 
-def bench_fio(path: str, block: int, total_bytes: int, *, workers: int, queue_depth: int, engine: str,
-              align: int, region: tuple[int, int] | None = None) -> dict | None:  # fmt: skip
+def bench_fio(
+    path: str,
+    block: int,
+    total_bytes: int,
+    *,
+    workers: int,
+    queue_depth: int,
+    engine: str,
+    align: int,
+    region: tuple[int, int] | None = None,
+) -> dict | None:
     fio = shutil.which("fio")
     if fio is None:
         return None
     start, end = region or (0, os.path.getsize(path))
     size = (end - start) // block * block
     per_job = max(block, round_up(total_bytes // workers, block))
-    command = [fio, "--name=bench_io", f"--filename={path}", "--readonly", "--direct=1", "--rw=randread",
-               f"--bs={block}", f"--ioengine={engine}", f"--iodepth={queue_depth}", f"--numjobs={workers}",
-               f"--offset={start}", f"--size={size}", f"--io_size={per_job}", f"--blockalign={align}",
-               "--group_reporting",
-               "--randrepeat=0",
-               "--norandommap", "--output-format=json"]  # fmt: skip
+    command = [
+        fio,
+        "--name=bench_io",
+        f"--filename={path}",
+        "--readonly",
+        "--direct=1",
+        "--rw=randread",
+        f"--bs={block}",
+        f"--ioengine={engine}",
+        f"--iodepth={queue_depth}",
+        f"--numjobs={workers}",
+        f"--offset={start}",
+        f"--size={size}",
+        f"--io_size={per_job}",
+        f"--blockalign={align}",
+        "--group_reporting",
+        "--randrepeat=0",
+        "--norandommap",
+        "--output-format=json",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         print(f"fio failed ({result.returncode}): {result.stderr.strip()}", file=sys.stderr)
         return None
-    read = json.loads(result.stdout[result.stdout.index("{"):])["jobs"][0]["read"]
+    read = json.loads(result.stdout[result.stdout.index("{") :])["jobs"][0]["read"]
     percentiles = read.get("clat_ns", {}).get("percentile", {})
-    return dict(MBps=read["bw_bytes"] / MB, p50_ms=percentiles.get("50.000000", 0) / 1e6,
-                p99_ms=percentiles.get("99.000000", 0) / 1e6, command=" ".join(command))  # fmt: skip
+    return dict(
+        MBps=read["bw_bytes"] / MB,
+        p50_ms=percentiles.get("50.000000", 0) / 1e6,
+        p99_ms=percentiles.get("99.000000", 0) / 1e6,
+        command=" ".join(command),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,21 +282,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--file-size", type=parse_size, default=2 << 30, help="size of a created file")
     parser.add_argument("--block-size", type=parse_size, default=1 << 20, help="bytes per load (raw mode)")
     parser.add_argument("--count", type=int, default=512)
-    parser.add_argument("--align", type=parse_size, default=DEFAULT_BLOCK_SIZE,
-                        help="alignment of the random offsets, for the workers and fio alike "
-                             "(4 KiB, like tensors in a checkpoint; fio's own default would be the block size)")
+    parser.add_argument(
+        "--align",
+        type=parse_size,
+        default=DEFAULT_BLOCK_SIZE,
+        help="alignment of the random offsets, for the workers and fio alike "
+        "(4 KiB, like tensors in a checkpoint; fio's own default would be the block size)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--queue-depth", type=int, default=8, help="concurrent reads per worker")
     parser.add_argument("--model", help="model directory: load its experts instead of raw blocks")
     parser.add_argument("--io-mode", default="auto", choices=["auto", "direct", "dontneed", "buffered"])
-    parser.add_argument("--staging", default="auto", choices=["auto", "on", "off"],
-                        help="workers' direct reads through huge-page buffers (native/staging.py)")
+    parser.add_argument(
+        "--staging",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="workers' direct reads through huge-page buffers (native/staging.py)",
+    )
     parser.add_argument("--fio-engine", default="libaio", choices=["libaio", "psync", "io_uring"])
     parser.add_argument("--skip-python", action="store_true")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--order", default="workers,python,fio", help="order of the measurements")
-    parser.add_argument("--disjoint", action="store_true",
-                        help="each method reads its own third of --file (no help from a cache below the guest)")
+    parser.add_argument(
+        "--disjoint",
+        action="store_true",
+        help="each method reads its own third of --file (no help from a cache below the guest)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     if args.count < 1 or args.workers < 1 or args.queue_depth < 1:
@@ -281,52 +343,93 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.order.split(","):
         if method == "workers":
             drop_cache(manifest)
-            measured = bench_workers(manifest, slot_bytes, loads, workers=args.workers,
-                                     queue_depth=args.queue_depth, io_mode=args.io_mode,
-                                     staging=args.staging)  # fmt: skip
+            measured = bench_workers(
+                manifest,
+                slot_bytes,
+                loads,
+                workers=args.workers,
+                queue_depth=args.queue_depth,
+                io_mode=args.io_mode,
+                staging=args.staging,
+            )
             results["workers"] = asyncio.run(measured)
         elif method == "python" and not args.skip_python:
             results["python"] = bench_python(manifest, python_loads, args.workers * args.queue_depth)
         elif method == "fio":
-            results["fio"] = bench_fio(fio_file, fio_block, total_bytes, workers=args.workers,
-                                       queue_depth=args.queue_depth, engine=args.fio_engine,
-                                       align=args.align, region=fio_region)  # fmt: skip
+            results["fio"] = bench_fio(
+                fio_file,
+                fio_block,
+                total_bytes,
+                workers=args.workers,
+                queue_depth=args.queue_depth,
+                engine=args.fio_engine,
+                align=args.align,
+                region=fio_region,
+            )
     workers, python, fio = results["workers"], results["python"], results["fio"]
     assert workers is not None
 
-    print(f"{len(loads)} loads of {workers['bytes'] / len(loads) / 2**20:.2f} MiB, {args.workers} workers x "
-          f"depth {args.queue_depth}, modes {','.join(workers['io_modes'])}")  # fmt: skip
+    print(
+        f"{len(loads)} loads of {workers['bytes'] / len(loads) / 2**20:.2f} MiB, {args.workers} workers x "
+        f"depth {args.queue_depth}, modes {','.join(workers['io_modes'])}"
+    )
     if workers["staging"]:
-        print(f"  staging : on ({workers['staging_reason']}); {workers['staged_bytes'] / MB:.0f} MB copied in "
-              f"{workers['staging_copy_ms']:.0f} ms, buffers {workers['staging_bytes'] / 2**20:.0f} MiB "
-              f"({workers['staging_huge_bytes'] / 2**20:.0f} MiB huge pages)")  # fmt: skip
+        print(
+            f"  staging : on ({workers['staging_reason']}); {workers['staged_bytes'] / MB:.0f} MB copied in "
+            f"{workers['staging_copy_ms']:.0f} ms, buffers {workers['staging_bytes'] / 2**20:.0f} MiB "
+            f"({workers['staging_huge_bytes'] / 2**20:.0f} MiB huge pages)"
+        )
     else:
         print(f"  staging : off ({workers['staging_reason']})")
-    print(f"  workers : {workers['MBps']:8.1f} MB/s  service p50 {workers['p50_ms']:.2f} ms  p99 "
-          f"{workers['p99_ms']:.2f} ms  (submit-to-done p50 {workers['latency_p50_ms']:.2f} ms)")  # fmt: skip
+    print(
+        f"  workers : {workers['MBps']:8.1f} MB/s  service p50 {workers['p50_ms']:.2f} ms  p99 "
+        f"{workers['p99_ms']:.2f} ms  (submit-to-done p50 {workers['latency_p50_ms']:.2f} ms)"
+    )
     if python:
-        print(f"  python  : {python['MBps']:8.1f} MB/s  p50 {python['p50_ms']:.2f} ms  p99 {python['p99_ms']:.2f} ms"
-              f"  (buffered preadv, {python['threads']} threads)")  # fmt: skip
+        print(
+            f"  python  : {python['MBps']:8.1f} MB/s  p50 {python['p50_ms']:.2f} ms  p99 {python['p99_ms']:.2f} ms"
+            f"  (buffered preadv, {python['threads']} threads)"
+        )
     if fio:
-        print(f"  fio     : {fio['MBps']:8.1f} MB/s  clat p50 {fio['p50_ms']:.2f} ms  p99 {fio['p99_ms']:.2f} ms"
-              f"  (O_DIRECT randread bs={fio_block}, {args.fio_engine}, blockalign={args.align})")  # fmt: skip
+        print(
+            f"  fio     : {fio['MBps']:8.1f} MB/s  clat p50 {fio['p50_ms']:.2f} ms  p99 {fio['p99_ms']:.2f} ms"
+            f"  (O_DIRECT randread bs={fio_block}, {args.fio_engine}, blockalign={args.align})"
+        )
         print(f"  workers / fio = {workers['MBps'] / fio['MBps']:.3f}")
     else:
         print("  fio     : not installed")
     if args.json:
         summary = dict(
-            workers_MBps=workers["MBps"], python_MBps=python["MBps"] if python else None,
-            fio_MBps=fio["MBps"] if fio else None, p50_ms=workers["p50_ms"], p99_ms=workers["p99_ms"],
-            latency_p50_ms=workers["latency_p50_ms"], latency_p99_ms=workers["latency_p99_ms"],
-            python_p50_ms=python["p50_ms"] if python else None, python_p99_ms=python["p99_ms"] if python else None,
-            fio_p50_ms=fio["p50_ms"] if fio else None, fio_p99_ms=fio["p99_ms"] if fio else None,
+            workers_MBps=workers["MBps"],
+            python_MBps=python["MBps"] if python else None,
+            fio_MBps=fio["MBps"] if fio else None,
+            p50_ms=workers["p50_ms"],
+            p99_ms=workers["p99_ms"],
+            latency_p50_ms=workers["latency_p50_ms"],
+            latency_p99_ms=workers["latency_p99_ms"],
+            python_p50_ms=python["p50_ms"] if python else None,
+            python_p99_ms=python["p99_ms"] if python else None,
+            fio_p50_ms=fio["p50_ms"] if fio else None,
+            fio_p99_ms=fio["p99_ms"] if fio else None,
             ratio_to_fio=workers["MBps"] / fio["MBps"] if fio else None,
-            block_size=fio_block, bytes=workers["bytes"], count=len(loads), workers=args.workers,
-            queue_depth=args.queue_depth, io_modes=workers["io_modes"], fio_engine=args.fio_engine,
-            fio_file=fio_file, seed=seed, model=args.model, order=args.order, align=args.align,
-            disjoint=args.disjoint, staging=workers["staging"], staging_reason=workers["staging_reason"],
-            staged_bytes=workers["staged_bytes"], staging_copy_ms=workers["staging_copy_ms"],
-        )  # fmt: skip
+            block_size=fio_block,
+            bytes=workers["bytes"],
+            count=len(loads),
+            workers=args.workers,
+            queue_depth=args.queue_depth,
+            io_modes=workers["io_modes"],
+            fio_engine=args.fio_engine,
+            fio_file=fio_file,
+            seed=seed,
+            model=args.model,
+            order=args.order,
+            align=args.align,
+            disjoint=args.disjoint,
+            staging=workers["staging"],
+            staging_reason=workers["staging_reason"],
+            staged_bytes=workers["staged_bytes"],
+            staging_copy_ms=workers["staging_copy_ms"],
+        )
         print(json.dumps(summary))
     return 0
 

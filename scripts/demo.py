@@ -60,8 +60,7 @@ def read_ready_line(process: subprocess.Popen[str], *, timeout: float) -> dict:
         code = None
     if code is not None:
         raise RuntimeError(f"supervisor exited with code {code} before it was ready (its log is above)")
-    raise RuntimeError(
-        f"supervisor did not become ready within {timeout:.0f} s")
+    raise RuntimeError(f"supervisor did not become ready within {timeout:.0f} s")
 
 
 def stop(process: subprocess.Popen[str], *, timeout: float = 60.0) -> int:
@@ -95,16 +94,23 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     command = [
-        sys.executable, str(ROOT / "scripts" / "launch.py"),
-        "--model", str(model.path),
-        "--memory-budget", str(args.memory_budget),
+        sys.executable,
+        str(ROOT / "scripts" / "launch.py"),
+        "--model",
+        str(model.path),
+        "--memory-budget",
+        str(args.memory_budget),
         # A bank of 2 x top-k serves decode and short prompts; the rest of the
         # budget goes to resident slots (the launcher's default bank is 64).
-        "--working-slots", str(2 * model.sizes.top_k),
-        "--kv-reserve", DEMO_KV_RESERVE,
-        "--log-level", args.log_level,
-        "--compute-lanes", args.compute_lanes,
-    ]  # fmt: skip
+        "--working-slots",
+        str(2 * model.sizes.top_k),
+        "--kv-reserve",
+        DEMO_KV_RESERVE,
+        "--log-level",
+        args.log_level,
+        "--compute-lanes",
+        args.compute_lanes,
+    ]
     supervisor = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         ready = read_ready_line(supervisor, timeout=READY_TIMEOUT_S)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
-from shared.supervisor import main  # noqa: E402
+from shared.supervisor import main
 
 if __name__ == "__main__":
     sys.exit(main())

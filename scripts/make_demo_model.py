@@ -65,10 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         "memory_budget": demo.budget_bytes,
         "experts_over_budget": round(store.expert_bytes / demo.budget_bytes, 3),
         "slots_per_layer_at_budget": plan.slots_per_layer,
-        "config": {key: demo.config[key] for key in (
-            "model_type", "hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
-            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-            "torch_dtype")},  # fmt: skip
+        "config": {
+            key: demo.config[key]
+            for key in (
+                "model_type",
+                "hidden_size",
+                "moe_intermediate_size",
+                "num_experts",
+                "num_experts_per_tok",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "vocab_size",
+                "torch_dtype",
+            )
+        },
     }
     if (store.dense_bytes, store.expert_bytes) != (sizes.dense_bytes, sizes.expert_bytes):
         print("make_demo_model: warning: the checkpoint's sizes differ from the config arithmetic", file=sys.stderr)
@@ -84,12 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(top-{config['num_experts_per_tok']}), vocab {config['vocab_size']}"
     )
     print(f"dense bytes    {store.dense_bytes} ({_mib(store.dense_bytes)})")
-    print(f"expert bytes   {store.expert_bytes} ({_mib(store.expert_bytes)}), "
-          f"{report['experts_over_budget']:g}x the budget")  # fmt: skip
-    print(f"slot bytes     {store.slot_bytes} ({_mib(store.slot_bytes)}); "
-          f"startup floor {_mib(report['floor_bytes'])}")  # fmt: skip
-    print(f"--memory-budget {demo.budget_bytes}  ({_mib(demo.budget_bytes)}: "
-          f"{plan.slots_per_layer} of {store.experts_per_layer} experts resident per layer)")  # fmt: skip
+    print(
+        f"expert bytes   {store.expert_bytes} ({_mib(store.expert_bytes)}), "
+        f"{report['experts_over_budget']:g}x the budget"
+    )
+    print(f"slot bytes     {store.slot_bytes} ({_mib(store.slot_bytes)}); startup floor {_mib(report['floor_bytes'])}")
+    print(
+        f"--memory-budget {demo.budget_bytes}  ({_mib(demo.budget_bytes)}: "
+        f"{plan.slots_per_layer} of {store.experts_per_layer} experts resident per layer)"
+    )
     return 0
 
 

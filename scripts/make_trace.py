@@ -68,8 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     params = {
-        "layers": args.layers, "experts": args.experts, "top_k": args.top_k, "tokens": args.tokens,
-        "overlap": args.overlap, "zipf": args.zipf, "seed": args.seed,
+        "layers": args.layers,
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "tokens": args.tokens,
+        "overlap": args.overlap,
+        "zipf": args.zipf,
+        "seed": args.seed,
     }
     history = args.usage_tokens if args.usage_out else 0
     if args.usage_out and history < 1:

@@ -110,9 +110,9 @@ class Capacity:
             "working_slots": self.working_slots,
             "pinned": len(self.pins),
             "pins_source": self.pins_source,
-            "pinned_per_layer": {str(l): len(self.pins_at(l)) for l in layer_ids},
+            "pinned_per_layer": {str(layer): len(self.pins_at(layer)) for layer in layer_ids},
             "baseline_slots_per_layer": {
-                str(l): self.slots_per_layer + len(self.pins_at(l)) for l in layer_ids
+                str(layer): self.slots_per_layer + len(self.pins_at(layer)) for layer in layer_ids
             },
             "fairness": "lru and belady get slots_per_layer + the layer's pin count per layer "
             "and start with the pinned experts resident, as ours does; all three are "
@@ -279,7 +279,9 @@ def choose_pins(trace: Trace, *, count: int, usage_file: str | None) -> tuple[tu
         return (), "none"
     if usage_file is not None:
         layers = set(trace.layer_ids)
-        counts = Counter({key: n for key, n in read_usage_counts(usage_file, trace).items() if key[0] in layers and n > 0})
+        counts = Counter(
+            {key: n for key, n in read_usage_counts(usage_file, trace).items() if key[0] in layers and n > 0}
+        )
         source = f"usage file {usage_file} (top {count} by count)"
     else:
         counts = Counter(
@@ -379,9 +381,14 @@ def describe(trace: Trace, source: str) -> dict:
     layers = trace.layer_ids
     overlap = measure_overlap(trace)
     return {
-        "path": source, "tokens": trace.num_tokens, "visits": trace.num_visits,
-        "layers": len(layers), "layer_ids": list(layers),
-        "experts": trace.num_experts, "top_k": trace.top_k, "overlap": overlap if overlap == overlap else None,
+        "path": source,
+        "tokens": trace.num_tokens,
+        "visits": trace.num_visits,
+        "layers": len(layers),
+        "layer_ids": list(layers),
+        "experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "overlap": overlap if overlap == overlap else None,
     }
 
 
@@ -449,15 +456,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("trace", help="routing trace file (format below)")
     parser.add_argument("--slots-per-layer", type=int, required=True, help="resident LRU slots per sparse layer")
-    parser.add_argument("--working-slots", type=int, default=None,
-                        help="working bank size (default: the most unique experts of one visit)")
-    parser.add_argument("--pinned", default="0",
-                        help="pinned experts in all (default 0), or 'auto': plan_expert_auto_pins over --usage-file, "
-                             "pins then share the resident tier with the LRU slots")
-    parser.add_argument("--slot-bytes", type=int, default=2_777_088,
-                        help="bytes per slot for --pinned auto budgets (default 2777088, a 2.65 MB expert)")
-    parser.add_argument("--min-pin-budget", type=int, default=500_000_000,
-                        help="plan_expert_auto_pins' minimum pin budget in bytes (default 500000000)")
+    parser.add_argument(
+        "--working-slots",
+        type=int,
+        default=None,
+        help="working bank size (default: the most unique experts of one visit)",
+    )
+    parser.add_argument(
+        "--pinned",
+        default="0",
+        help="pinned experts in all (default 0), or 'auto': plan_expert_auto_pins over --usage-file, "
+        "pins then share the resident tier with the LRU slots",
+    )
+    parser.add_argument(
+        "--slot-bytes",
+        type=int,
+        default=2_777_088,
+        help="bytes per slot for --pinned auto budgets (default 2777088, a 2.65 MB expert)",
+    )
+    parser.add_argument(
+        "--min-pin-budget",
+        type=int,
+        default=500_000_000,
+        help="plan_expert_auto_pins' minimum pin budget in bytes (default 500000000)",
+    )
     parser.add_argument("--usage-file", default=None, help="ledger file (layer expert count) to choose the pins from")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="hit rate against slots per layer, all three")
@@ -474,7 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.pinned = int(args.pinned)
         except ValueError:
             parser.error(f"--pinned must be a count or 'auto', got {args.pinned!r}")
-    if args.slots_per_layer < 1 or (not auto and args.pinned < 0) or (args.working_slots is not None and args.working_slots < 1):
+    if (
+        args.slots_per_layer < 1
+        or (not auto and args.pinned < 0)
+        or (args.working_slots is not None and args.working_slots < 1)
+    ):
         parser.error("--slots-per-layer and --working-slots must be >= 1, --pinned >= 0")
     if args.usage_file and not args.pinned:
         parser.error("--usage-file chooses pins: give --pinned N too")
@@ -488,8 +514,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         working = args.working_slots or max(len(row) for row in rows)
         if auto:
             pins, source = plan_auto_pins(
-                trace, args.usage_file, slots_per_layer=args.slots_per_layer,
-                slot_bytes=args.slot_bytes, min_pin_budget=args.min_pin_budget,
+                trace,
+                args.usage_file,
+                slots_per_layer=args.slots_per_layer,
+                slot_bytes=args.slot_bytes,
+                min_pin_budget=args.min_pin_budget,
             )
             # Pins come out of the resident tier: the LRU tier keeps the rest.
             per_layer = max(1, (args.slots_per_layer * len(trace.layer_ids) - len(pins)) // len(trace.layer_ids))
@@ -512,11 +541,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         points = sweep_points(args.slots_per_layer, args.sweep)
         curves: dict[str, list[float]] = {"ours": [], "lru": [], "belady": []}
         for slots in points:
-            point = replay(trace, Capacity(slots_per_layer=slots, working_slots=working, pins=pins, pins_source=source), rows=rows)
+            point = replay(
+                trace, Capacity(slots_per_layer=slots, working_slots=working, pins=pins, pins_source=source), rows=rows
+            )
             for name in curves:
                 curves[name].append(point[name].hit_rate)
-        title = (f"{Path(args.trace).name}: top-{trace.top_k}, {len(trace.layer_ids)} layers, "
-                 f"overlap {info['overlap'] or 0:.2f}; {working} working, {len(pins)} pinned")
+        title = (
+            f"{Path(args.trace).name}: top-{trace.top_k}, {len(trace.layer_ids)} layers, "
+            f"overlap {info['overlap'] or 0:.2f}; {working} working, {len(pins)} pinned"
+        )
         plot_sweep(args.plot, points, curves, title=title, marked=args.slots_per_layer)
         report["sweep"] = {"slots_per_layer": points, **curves}
         print(f"plot written to {args.plot} ({len(points)} capacities)")

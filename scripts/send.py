@@ -1,6 +1,6 @@
 """Send one generation job to a running moeslab coordinator (see shared/cli_send.py).
 
-    python scripts/send.py --endpoint ipc://RUN_DIR/jobs --prompt "Hello" [--json]
+python scripts/send.py --endpoint ipc://RUN_DIR/jobs --prompt "Hello" [--json]
 """
 
 from __future__ import annotations

@@ -20,8 +20,18 @@ logger = logging.getLogger("moeslab.launch")
 
 DEFAULT_KV_RESERVE_BYTES = 256 * 2**20
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 
@@ -36,8 +46,10 @@ def parse_size(text: str) -> int:
     match = _SIZE.fullmatch(text) if isinstance(text, str) else None
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: use bytes or a number with B, KB, MB, GB, TB, KiB, MiB, GiB "
-                         "or TiB, e.g. 8GiB, 512MiB, 1.5GB")  # fmt: skip
+        raise ValueError(
+            f"{text!r} is not a size: use bytes or a number with B, KB, MB, GB, TB, KiB, MiB, GiB "
+            "or TiB, e.g. 8GiB, 512MiB, 1.5GB"
+        )
     number = match.group(1)
     whole, _, fraction = number.partition(".")
     # Exact decimal arithmetic: 1.1GB is 1100000000 bytes, not a float's neighbour of it.
@@ -48,9 +60,15 @@ def parse_size(text: str) -> int:
     return value
 
 
-def plan_budget(store: ExpertStore, *, memory_budget: int, kv_reserve_bytes: int = DEFAULT_KV_RESERVE_BYTES,
-                working_slots: int | None = None, slots_per_layer: int | None = None,
-                pinned: int = 0) -> ExpertResidencyPlan:  # fmt: skip
+def plan_budget(
+    store: ExpertStore,
+    *,
+    memory_budget: int,
+    kv_reserve_bytes: int = DEFAULT_KV_RESERVE_BYTES,
+    working_slots: int | None = None,
+    slots_per_layer: int | None = None,
+    pinned: int = 0,
+) -> ExpertResidencyPlan:
     """The residency plan for `store` in `memory_budget`, or BudgetError naming every part."""
     fixed = store.dense_bytes + kv_reserve_bytes
     working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
@@ -65,9 +83,15 @@ def plan_budget(store: ExpertStore, *, memory_budget: int, kv_reserve_bytes: int
                 f"per slot: {needed} bytes"
             )
     # Anything else wrong (a negative count, a non-integer) is the planner's to name.
-    return plan_expert_residency(budget_bytes=memory_budget, fixed_bytes=fixed, slot_bytes=slot, sparse_layers=layers,
-                                 working_slots=working, pinned_experts=pinned,
-                                 max_slots_per_layer=slots_per_layer)  # fmt: skip
+    return plan_expert_residency(
+        budget_bytes=memory_budget,
+        fixed_bytes=fixed,
+        slot_bytes=slot,
+        sparse_layers=layers,
+        working_slots=working,
+        pinned_experts=pinned,
+        max_slots_per_layer=slots_per_layer,
+    )
 
 
 def check_pins(store: ExpertStore, pins: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -75,8 +99,10 @@ def check_pins(store: ExpertStore, pins: Sequence[tuple[int, int]]) -> tuple[tup
     checked = tuple((int(layer), int(expert)) for layer, expert in pins)
     for layer, expert in checked:
         if layer not in store.sparse_layers or not 0 <= expert < store.experts_per_layer:
-            raise ValueError(f"pinned expert {layer}:{expert} is not an expert of the sparse layers "
-                             f"{list(store.sparse_layers)} x {store.experts_per_layer} experts")  # fmt: skip
+            raise ValueError(
+                f"pinned expert {layer}:{expert} is not an expert of the sparse layers "
+                f"{list(store.sparse_layers)} x {store.experts_per_layer} experts"
+            )
     if len(set(checked)) != len(checked):
         raise ValueError(f"pinned experts repeat: {list(checked)}")
     return checked
@@ -102,8 +128,9 @@ def choose_pins(store: ExpertStore, count: int, usage_file: str | None) -> tuple
     return tuple(pins)
 
 
-def auto_pins(store: ExpertStore, *, memory_budget: int, kv_reserve_bytes: int, working_slots: int | None,
-              usage_file: str | None) -> tuple[tuple[int, int], ...]:  # fmt: skip
+def auto_pins(
+    store: ExpertStore, *, memory_budget: int, kv_reserve_bytes: int, working_slots: int | None, usage_file: str | None
+) -> tuple[tuple[int, int], ...]:
     """`--pinned-experts auto`: the usage ledger's auto-pin policy over the resident tier.
 
     The resident tier is what the budget leaves after the dense weights, the KV reserve and the
@@ -113,11 +140,19 @@ def auto_pins(store: ExpertStore, *, memory_budget: int, kv_reserve_bytes: int, 
         return ()
     working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
     tier = memory_budget - store.dense_bytes - kv_reserve_bytes - working * store.slot_bytes
-    plan = plan_expert_auto_pins(ledger=_open_ledger(store, usage_file), resident_tier_budget_bytes=max(0, tier),
-                                 mandatory_resident_bytes=len(store.sparse_layers) * store.slot_bytes,
-                                 slot_bytes=lambda layer: store.slot_bytes)  # fmt: skip
-    logger.info("auto pins from %d selections of history (confidence %.2f): %d experts, %d bytes",
-                plan.history_selections, plan.confidence, len(plan.pins), plan.planned_bytes)
+    plan = plan_expert_auto_pins(
+        ledger=_open_ledger(store, usage_file),
+        resident_tier_budget_bytes=max(0, tier),
+        mandatory_resident_bytes=len(store.sparse_layers) * store.slot_bytes,
+        slot_bytes=lambda layer: store.slot_bytes,
+    )
+    logger.info(
+        "auto pins from %d selections of history (confidence %.2f): %d experts, %d bytes",
+        plan.history_selections,
+        plan.confidence,
+        len(plan.pins),
+        plan.planned_bytes,
+    )
     return tuple((pin.layer, pin.expert_id) for pin in plan.pins)
 
 

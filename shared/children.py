@@ -42,8 +42,9 @@ class ChildProcess:
 
     Each stderr line is forwarded to the `moeslab.child.<name>` logger as it arrives."""
 
-    def __init__(self, name: str, process: subprocess.Popen[bytes], death_w: int | None, *,
-                 tail_source: TailSource | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, process: subprocess.Popen[bytes], death_w: int | None, *, tail_source: TailSource | None = None
+    ) -> None:
         self.name, self.process, self.death_w = name, process, death_w
         self._tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self._reader: threading.Thread | None = None
@@ -127,8 +128,12 @@ class ChildProcess:
         stream.close()
 
 
-_LEVELS = (("CRITICAL", logging.CRITICAL), ("ERROR", logging.ERROR), ("WARNING", logging.WARNING),
-           ("DEBUG", logging.DEBUG))  # fmt: skip
+_LEVELS = (
+    ("CRITICAL", logging.CRITICAL),
+    ("ERROR", logging.ERROR),
+    ("WARNING", logging.WARNING),
+    ("DEBUG", logging.DEBUG),
+)
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -139,15 +144,23 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def spawn_child(name: str, argv: Sequence[str], *, death: bool = True,
-                env: Mapping[str, str] | None = None) -> ChildProcess:
+def spawn_child(
+    name: str, argv: Sequence[str], *, death: bool = True, env: Mapping[str, str] | None = None
+) -> ChildProcess:
     """Start `argv` + `--death-fd N` (the read end of a pipe only the launcher can write to)."""
     death_r, death_w = os.pipe() if death else (None, None)
     try:
         command = list(argv) + (["--death-fd", str(death_r)] if death_r is not None else [])
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, pass_fds=() if death_r is None else (death_r,),
-                                   close_fds=True, env=child_env(env), process_group=0)  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=() if death_r is None else (death_r,),
+            close_fds=True,
+            env=child_env(env),
+            process_group=0,
+        )
     except BaseException:
         for fd in (death_r, death_w):
             if fd is not None:

@@ -38,9 +38,7 @@ def parse_token_list(text: str) -> tuple[int, ...]:
     """'1,2, 3' -> (1, 2, 3); refuses empty lists, empty items, signs and non-integers."""
     items = [item.strip() for item in text.split(",")]
     if not text.strip() or any(not item.isascii() or not item.isdigit() for item in items):
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated non-negative integers like 1,2,3, got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative integers like 1,2,3, got {text!r}")
     return tuple(int(item) for item in items)
 
 
@@ -105,18 +103,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized by the coordinator)")
-    prompt.add_argument(
-        "--prompt-tokens", type=parse_token_list, metavar="1,2,3", help="prompt as token ids"
-    )
+    prompt.add_argument("--prompt-tokens", type=parse_token_list, metavar="1,2,3", help="prompt as token ids")
     parser.add_argument("--max-tokens", type=_count(1), default=64)
     parser.add_argument("--temperature", type=_finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=_finite_float, default=1.0)
     parser.add_argument("--seed", type=_count(0), default=None, help="sampling seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument(
-        "--timeout", type=_positive_float, default=DEFAULT_TIMEOUT,
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT,
         help=f"seconds to wait for each reply (default {DEFAULT_TIMEOUT:g})",
-    )  # fmt: skip
+    )
     return parser
 
 

@@ -240,7 +240,7 @@ class Client:
         top_p: float = 1.0,
         seed: int | None = None,
         return_logprobs: bool = False,
-        id: str | None = None,  # noqa: A002  (the contract's field name)
+        id: str | None = None,
         timeout: float | None = None,
     ) -> JobStream:
         """Send a job now and return its event stream; exactly one of prompt / prompt_tokens."""
@@ -250,8 +250,16 @@ class Client:
         job_id = self._new_id() if id is None else _check_id(id)
         tokens = None if prompt_tokens is None else _token_tuple(prompt_tokens)
         frame = _checked_frame(
-            Generate(id=job_id, prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens,
-                     temperature=temperature, top_p=top_p, seed=seed, return_logprobs=return_logprobs)  # fmt: skip
+            Generate(
+                id=job_id,
+                prompt=prompt,
+                prompt_tokens=tokens,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                return_logprobs=return_logprobs,
+            )
         )
         with self._lock:
             if job_id in self._streams:
@@ -266,7 +274,7 @@ class Client:
             raise
         return JobStream(self, job_id, reply_timeout)
 
-    def cancel(self, id: str, *, timeout: float | None = None) -> None:  # noqa: A002
+    def cancel(self, id: str, *, timeout: float | None = None) -> None:
         """Cancel job `id`.
 
         For a job streaming on this client, returns at once: its stream then
@@ -411,4 +419,3 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._streams)} jobs in flight"
         return f"Client({self.endpoint!r}, {state})"
-

@@ -90,14 +90,15 @@ def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
     root = os.path.abspath(os.fspath(run_dir))
     longest = os.path.join(root, "jobs")
     if len(longest.encode()) > MAX_IPC_PATH:
-        raise ConfigError(f"run directory {root!r} is too long for ipc socket paths "
-                          f"({len(longest.encode())} > {MAX_IPC_PATH} bytes)")  # fmt: skip
+        raise ConfigError(
+            f"run directory {root!r} is too long for ipc socket paths ({len(longest.encode())} > {MAX_IPC_PATH} bytes)"
+        )
     return Endpoints(io=f"ipc://{root}/io", gpu=f"ipc://{root}/gpu", jobs=f"ipc://{root}/jobs")
 
 
 def ipc_path(endpoint: str) -> str | None:
     """The filesystem path of an `ipc://` endpoint (None for other transports)."""
-    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
@@ -168,8 +169,10 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"config version {config.version} is not {CONFIG_VERSION}")
     plan, slab = config.plan, config.slab
     if slab.total_slots != plan.total_slots or slab.slot_bytes != plan.slot_bytes:
-        raise ConfigError(f"slab {slab.total_slots} x {slab.slot_bytes} bytes does not match the plan's "
-                          f"{plan.total_slots} x {plan.slot_bytes}")  # fmt: skip
+        raise ConfigError(
+            f"slab {slab.total_slots} x {slab.slot_bytes} bytes does not match the plan's "
+            f"{plan.total_slots} x {plan.slot_bytes}"
+        )
     if config.io_mode not in IO_MODES:
         raise ConfigError(f"io_mode must be one of {IO_MODES}, got {config.io_mode!r}")
     if config.io_workers < 1:

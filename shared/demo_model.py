@@ -102,9 +102,7 @@ _ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # never gate_proj / share
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, the alphabet of byte-level BPE."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     mapping, extra = {}, 0
     for byte in range(256):
@@ -197,9 +195,7 @@ def build_model(config: dict, *, seed: int = 0) -> Any:
     target = getattr(mx, config.get("torch_dtype", "float32"))
     model.update(
         tree_map_with_path(
-            lambda key, value: (
-                value.astype(target) if cast(key) and mx.issubdtype(value.dtype, mx.floating) else value
-            ),
+            lambda key, value: value.astype(target) if cast(key) and mx.issubdtype(value.dtype, mx.floating) else value,
             model.parameters(),
         )
     )

@@ -214,6 +214,7 @@ class JobError:
 GPU_WORKER_ACCEPTS = make_registry(GpuWelcome, Lease, Fenced, Job, JobCancel, ErrorReply)
 """Ops the GPU worker accepts from the coordinator."""
 
-COORDINATOR_ACCEPTS_FROM_GPU = make_registry(GpuHello, GpuReady, GpuGoodbye, Routes, Fence, Token, JobDone, JobError,
-                                             ErrorReply)  # fmt: skip
+COORDINATOR_ACCEPTS_FROM_GPU = make_registry(
+    GpuHello, GpuReady, GpuGoodbye, Routes, Fence, Token, JobDone, JobError, ErrorReply
+)
 """Ops the coordinator accepts from the GPU worker."""

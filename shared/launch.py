@@ -84,12 +84,12 @@ def io_worker_name(index: int) -> str:
 def check_jobs_endpoint(endpoint: str) -> str:
     """An `ipc://ABSOLUTE_PATH` or loopback `tcp://127.x.x.x:PORT` endpoint; ValueError otherwise."""
     if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
+        path = endpoint[len("ipc://") :]
         if not os.path.isabs(path) or len(path.encode()) > MAX_IPC_PATH:
             raise ValueError(f"ipc endpoint {endpoint!r} needs an absolute path of at most {MAX_IPC_PATH} bytes")
         return endpoint
     if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
         try:
             loopback = ipaddress.ip_address(host).is_loopback and ipaddress.ip_address(host).version == 4
         except ValueError:
@@ -123,8 +123,16 @@ class _Options:
 class RunningSystem:
     """A started system; a context manager whose exit is `stop()`."""
 
-    def __init__(self, *, store: ExpertStore, plan: ExpertResidencyPlan, run_dir: str | None, owns_run_dir: bool,
-                 config_fields: dict, options: _Options) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        store: ExpertStore,
+        plan: ExpertResidencyPlan,
+        run_dir: str | None,
+        owns_run_dir: bool,
+        config_fields: dict,
+        options: _Options,
+    ) -> None:
         self.store, self.plan = store, plan
         self.run_dir: str = run_dir or ""
         self._owns_run_dir = owns_run_dir
@@ -196,11 +204,19 @@ class RunningSystem:
         manifest = os.path.join(self.run_dir, MANIFEST_FILE)
         self._write(manifest, json.dumps([os.path.abspath(path) for path in self.store.manifest]))
         options = self._options
-        config = RunConfig(run_dir=self.run_dir, manifest=manifest, plan=plan, endpoints=endpoints,
-                           slab=SlabSpec(name=name, total_slots=plan.total_slots, slot_bytes=plan.slot_bytes),
-                           io_workers=options.io_workers, io_mode=options.io_mode, test_hooks=options.test_hooks,
-                           log_level=options.log_level, start_timeout_s=options.start_timeout,
-                           **self._fields)  # fmt: skip
+        config = RunConfig(
+            run_dir=self.run_dir,
+            manifest=manifest,
+            plan=plan,
+            endpoints=endpoints,
+            slab=SlabSpec(name=name, total_slots=plan.total_slots, slot_bytes=plan.slot_bytes),
+            io_workers=options.io_workers,
+            io_mode=options.io_mode,
+            test_hooks=options.test_hooks,
+            log_level=options.log_level,
+            start_timeout_s=options.start_timeout,
+            **self._fields,
+        )
         config_path = os.path.join(self.run_dir, CONFIG_FILE)
         write_config(config, config_path)
         self._created.append(config_path)
@@ -233,20 +249,43 @@ class RunningSystem:
         options = self._options
         gpu = list(options.gpu_command or (options.python, "-m", "gpuworker"))
         lanes = [] if options.compute_lanes is None else ["--compute-lanes", str(options.compute_lanes)]
-        return spawn_child(GPU_WORKER, gpu + ["--model", self.config.model_dir, "--endpoint",
-                                              self.config.endpoints.gpu, "--log-level", options.log_level, *lanes])
+        return spawn_child(
+            GPU_WORKER,
+            gpu
+            + [
+                "--model",
+                self.config.model_dir,
+                "--endpoint",
+                self.config.endpoints.gpu,
+                "--log-level",
+                options.log_level,
+                *lanes,
+            ],
+        )
 
     def _spawn_io_worker(self, index: int) -> ChildProcess:
         config = self.config
         assert config is not None
         death_r, death_w = os.pipe()
         try:
-            worker = spawn_io_worker(WorkerConfig(
-                index=index, endpoint=config.endpoints.io, manifest=config.manifest, slab_name=config.slab.name,
-                total_slots=config.slab.total_slots, slot_bytes=config.slab.slot_bytes,
-                block_size=config.block_size, io_mode=config.io_mode, death_fd=death_r,  # type: ignore[arg-type]
-                handshake_timeout=config.start_timeout_s, log_level=config.log_level,
-                test_read_delay_ms=self._options.io_read_delay_ms), env=child_env(), new_group=True)  # fmt: skip
+            worker = spawn_io_worker(
+                WorkerConfig(
+                    index=index,
+                    endpoint=config.endpoints.io,
+                    manifest=config.manifest,
+                    slab_name=config.slab.name,
+                    total_slots=config.slab.total_slots,
+                    slot_bytes=config.slab.slot_bytes,
+                    block_size=config.block_size,
+                    io_mode=config.io_mode,
+                    death_fd=death_r,  # type: ignore[arg-type]
+                    handshake_timeout=config.start_timeout_s,
+                    log_level=config.log_level,
+                    test_read_delay_ms=self._options.io_read_delay_ms,
+                ),
+                env=child_env(),
+                new_group=True,
+            )
         except BaseException:
             os.close(death_w)
             raise
@@ -300,14 +339,20 @@ class RunningSystem:
         else:
             waiting = [io_worker_name(i) for i in range(last.io_workers, self._options.io_workers)]
             waiting += [] if last.gpu_worker else [GPU_WORKER]
-        state = "no health reply" if last is None else (
-            f"health: {last.io_workers} of {self._options.io_workers} I/O workers ready, "
-            f"GPU worker {'ready' if last.gpu_worker else 'not ready'}")  # fmt: skip
+        state = (
+            "no health reply"
+            if last is None
+            else (
+                f"health: {last.io_workers} of {self._options.io_workers} I/O workers ready, "
+                f"GPU worker {'ready' if last.gpu_worker else 'not ready'}"
+            )
+        )
         # Which I/O worker is missing is not known by index; show the tails of every unready kind.
         kinds = {name.split(" ")[0] for name in waiting}
         shown = [c.describe() for c in self.children if c.name.split(" ")[0] in kinds]
-        return (f"the system was not ready after {timeout} s ({state}); waiting for {', '.join(waiting)}:\n"
-                + "\n".join(shown))  # fmt: skip
+        return f"the system was not ready after {timeout} s ({state}); waiting for {', '.join(waiting)}:\n" + "\n".join(
+            shown
+        )
 
     def _write(self, path: str, text: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -380,9 +425,11 @@ class RunningSystem:
         self._stopped = True
         try:
             deadline = time.monotonic() + timeout
-            for group in ([c for c in self.children if c.name == GPU_WORKER],
-                          [c for c in self.children if c.name == COORDINATOR],
-                          [c for c in self.children if c.name not in (GPU_WORKER, COORDINATOR)]):  # fmt: skip
+            for group in (
+                [c for c in self.children if c.name == GPU_WORKER],
+                [c for c in self.children if c.name == COORDINATOR],
+                [c for c in self.children if c.name not in (GPU_WORKER, COORDINATOR)],
+            ):
                 self._terminate(group, timeout=max(1.0, deadline - time.monotonic()))
             for child in self.children:
                 if child.process.returncode not in (0, -signal.SIGTERM):  # SIGTERM before its handler was set
@@ -466,17 +513,43 @@ def start_system(
         pins = choose_pins(store, pinned, usage) if pinned else ()
     else:
         pins = check_pins(store, pinned)
-    plan = plan_budget(store, memory_budget=memory_budget, kv_reserve_bytes=kv_reserve_bytes,
-                       working_slots=working_slots, slots_per_layer=slots_per_layer, pinned=len(pins))  # fmt: skip
-    fields = dict(model_dir=store.model_dir, block_size=block_size, manifest_files=len(store.manifest),
-                  kv_reserve_bytes=kv_reserve_bytes, dense_bytes=store.dense_bytes, pinned=pins,
-                  usage_file=usage)  # fmt: skip
-    options = _Options(io_workers=io_workers, io_mode=io_mode, test_hooks=hooks, log_level=log_level,
-                       start_timeout=float(start_timeout), gpu_command=tuple(gpu_command) if gpu_command else None,
-                       python=python, jobs_endpoint=endpoint, io_read_delay_ms=float(io_read_delay_ms),
-                       compute_lanes=compute_lanes)  # fmt: skip
-    system = RunningSystem(store=store, plan=plan, run_dir=None if run_dir is None else os.fspath(run_dir),
-                           owns_run_dir=run_dir is None, config_fields=fields, options=options)  # fmt: skip
+    plan = plan_budget(
+        store,
+        memory_budget=memory_budget,
+        kv_reserve_bytes=kv_reserve_bytes,
+        working_slots=working_slots,
+        slots_per_layer=slots_per_layer,
+        pinned=len(pins),
+    )
+    fields = dict(
+        model_dir=store.model_dir,
+        block_size=block_size,
+        manifest_files=len(store.manifest),
+        kv_reserve_bytes=kv_reserve_bytes,
+        dense_bytes=store.dense_bytes,
+        pinned=pins,
+        usage_file=usage,
+    )
+    options = _Options(
+        io_workers=io_workers,
+        io_mode=io_mode,
+        test_hooks=hooks,
+        log_level=log_level,
+        start_timeout=float(start_timeout),
+        gpu_command=tuple(gpu_command) if gpu_command else None,
+        python=python,
+        jobs_endpoint=endpoint,
+        io_read_delay_ms=float(io_read_delay_ms),
+        compute_lanes=compute_lanes,
+    )
+    system = RunningSystem(
+        store=store,
+        plan=plan,
+        run_dir=None if run_dir is None else os.fspath(run_dir),
+        owns_run_dir=run_dir is None,
+        config_fields=fields,
+        options=options,
+    )
     try:
         system._start(cancel)
     except BaseException:

@@ -149,9 +149,7 @@ def read_header(path: str | os.PathLike[str], file_index: int = 0) -> list[Tenso
     with open(path, "rb") as handle:
         (header_len,) = struct.unpack("<Q", handle.read(8))
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise StoreError(
-                f"{path}: corrupt safetensors header length {header_len} (file has {size} bytes)"
-            )
+            raise StoreError(f"{path}: corrupt safetensors header length {header_len} (file has {size} bytes)")
         raw = handle.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
@@ -185,24 +183,18 @@ def read_header(path: str | os.PathLike[str], file_index: int = 0) -> list[Tenso
         expected = DTYPE_SIZES[dtype] * math.prod(shape)
         if end - begin != expected:
             raise StoreError(
-                f"{where}: data_offsets {offsets} hold {end - begin} bytes but "
-                f"{dtype} x {shape} needs {expected}"
+                f"{where}: data_offsets {offsets} hold {end - begin} bytes but {dtype} x {shape} needs {expected}"
             )
         if data_start + end > size:
             raise StoreError(
-                f"{where}: data ends at byte {data_start + end} but the file has only "
-                f"{size} bytes (truncated file?)"
+                f"{where}: data ends at byte {data_start + end} but the file has only {size} bytes (truncated file?)"
             )
-        entries.append(
-            TensorEntry(name, file_index, dtype, tuple(shape), data_start + begin, expected)
-        )
+        entries.append(TensorEntry(name, file_index, dtype, tuple(shape), data_start + begin, expected))
 
     entries.sort(key=lambda entry: (entry.offset, entry.nbytes))
     for before, after in itertools.pairwise(entries):
         if after.offset < before.offset + before.nbytes:
-            raise StoreError(
-                f"{path}: tensor {after.name!r} overlaps tensor {before.name!r} in the data section"
-            )
+            raise StoreError(f"{path}: tensor {after.name!r} overlaps tensor {before.name!r} in the data section")
     return entries
 
 
@@ -223,9 +215,7 @@ def _indexed_files(model_dir: Path) -> dict[str, str] | None:
     for name, file_name in weight_map.items():
         # A file name from the index must stay inside the model directory.
         if Path(file_name).name != file_name or file_name in ("", ".", ".."):
-            raise StoreError(
-                f"{index_path}: tensor {name!r} names file {file_name!r} outside the model"
-            )
+            raise StoreError(f"{index_path}: tensor {name!r} names file {file_name!r} outside the model")
     return weight_map
 
 
@@ -261,16 +251,11 @@ def scan_checkpoint(
             entry = tensors.get(name)
             if entry is None:
                 raise StoreError(
-                    f"tensor {name!r} is indexed in {os.path.abspath(root / file_name)} but "
-                    "that file does not hold it"
+                    f"tensor {name!r} is indexed in {os.path.abspath(root / file_name)} but that file does not hold it"
                 )
             if os.path.basename(manifest[entry.file]) != file_name:
-                raise StoreError(
-                    f"tensor {name!r} is indexed in {file_name} but lives in {manifest[entry.file]}"
-                )
+                raise StoreError(f"tensor {name!r} is indexed in {file_name} but lives in {manifest[entry.file]}")
         unindexed = sorted(set(tensors) - set(weight_map))
         if unindexed:
-            logger.warning(
-                "%d tensors are missing from the index, e.g. %r", len(unindexed), unindexed[0]
-            )
+            logger.warning("%d tensors are missing from the index, e.g. %r", len(unindexed), unindexed[0])
     return manifest, tensors

@@ -96,9 +96,7 @@ class Slab:
         self._unlinked = False
 
     @classmethod
-    def create(
-        cls, *, total_slots: int, slot_bytes: int, name: str | None = None, prefault: bool = False
-    ) -> Slab:
+    def create(cls, *, total_slots: int, slot_bytes: int, name: str | None = None, prefault: bool = False) -> Slab:
         """Create a new segment (O_CREX, mode 0600) and map it.
 
         `prefault` allocates every page up front so the first loads do not pay

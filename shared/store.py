@@ -168,12 +168,8 @@ _PER_EXPERT_RULES: Mapping[str, _PerExpertRule] = MappingProxyType(
 )
 
 _LAYER = r"(?:.+\.)?(?:layers|h)\.(?P<layer>\d+)\.(?:.+\.)?"
-_PER_EXPERT = re.compile(
-    rf"^(?P<parent>{_LAYER})experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$"
-)
-_STACKED = re.compile(
-    rf"^(?P<module>{_LAYER}(?:switch_mlp|switch_glu|experts))\.(?P<proj>\w+)\.(?P<param>\w+)$"
-)
+_PER_EXPERT = re.compile(rf"^(?P<parent>{_LAYER})experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
+_STACKED = re.compile(rf"^(?P<module>{_LAYER}(?:switch_mlp|switch_glu|experts))\.(?P<proj>\w+)\.(?P<param>\w+)$")
 # A tensor under such a module that fits neither pattern is an expert layout
 # we do not understand (e.g. gpt_oss's fused `experts.gate_up_proj`).
 _EXPERTISH = re.compile(r"(?:^|\.)(?:experts|switch_mlp|switch_glu)(?:\.|$)")
@@ -292,17 +288,14 @@ def _group_by_layer(
         layer, layout, module, proj, param, expert = parsed
         if layers is not None and layer >= layers:
             # Multi-token-prediction layers past num_hidden_layers: sanitize drops them.
-            logger.warning(
-                "ignoring %s: layer %d is past num_hidden_layers=%d", name, layer, layers
-            )
+            logger.warning("ignoring %s: layer %d is past num_hidden_layers=%d", name, layer, layers)
             continue
         have = found.setdefault(layer, (layout, module, {}))
         if have[:2] != (layout, module):
             raise _refuse(
                 entry,
                 manifest,
-                f"layer {layer} mixes expert modules: {have[1]} ({have[0]}) and "
-                f"{module} ({layout})",
+                f"layer {layer} mixes expert modules: {have[1]} ({have[0]}) and {module} ({layout})",
             )
         if expert is None:
             have[2][proj, param] = entry
@@ -334,9 +327,7 @@ def _quant_spec(
     if override is False:
         raise StoreError(f"{where}: has scales but config quantization[{path!r}] is false")
     if isinstance(override, dict):  # passed to to_quantized, whose defaults fill the gaps
-        spec = QuantSpec(
-            override.get("bits", 4), override.get("group_size", 64), override.get("mode", "affine")
-        )
+        spec = QuantSpec(override.get("bits", 4), override.get("group_size", 64), override.get("mode", "affine"))
     elif override is True:  # the top-level defaults
         bits, group_size = quantization.get("bits"), quantization.get("group_size")
         spec = QuantSpec(bits, group_size, quantization.get("mode", "affine"))
@@ -374,8 +365,7 @@ def _check_layer(
         if (proj, "weight") not in specs:
             where = manifest[next(iter(entries.values())).file]
             raise StoreError(
-                f"missing tensor for {module}.{proj}.weight (the layer's other expert tensors "
-                f"are in {where})"
+                f"missing tensor for {module}.{proj}.weight (the layer's other expert tensors are in {where})"
             )
     for (proj, param), entry in entries.items():
         shape, weight = specs[proj, param].shape, specs[proj, "weight"].shape
@@ -386,9 +376,7 @@ def _check_layer(
         if param == "biases" and (proj, "scales") not in specs:
             raise _refuse(entry, manifest, "quantization biases without scales")
         if param in ("scales", "biases") and (len(shape) != 2 or shape[0] != weight[0]):
-            raise _refuse(
-                entry, manifest, f"{param} {list(shape)} do not fit weight {list(weight)}"
-            )
+            raise _refuse(entry, manifest, f"{param} {list(shape)} do not fit weight {list(weight)}")
         if param == "bias" and shape != weight[:1]:
             raise _refuse(entry, manifest, f"bias {list(shape)} does not fit weight {list(weight)}")
     if kind == "glu":
@@ -397,8 +385,7 @@ def _check_layer(
             raise _refuse(
                 entries["up_proj", "weight"],
                 manifest,
-                f"{up.dtype} {list(up.shape)} differs from gate_proj "
-                f"{gate.dtype} {list(gate.shape)}",
+                f"{up.dtype} {list(up.shape)} differs from gate_proj {gate.dtype} {list(gate.shape)}",
             )
     hidden = _config_int(config, ("hidden_size",))
     out_features = specs[projections[-1], "weight"].shape[0]
@@ -442,15 +429,13 @@ def _per_expert_slices(
             raise _refuse(
                 entry,
                 manifest,
-                f"{entry.dtype} {list(entry.shape)} differs from {first.name!r} "
-                f"{first.dtype} {list(first.shape)}",
+                f"{entry.dtype} {list(entry.shape)} differs from {first.name!r} {first.dtype} {list(first.shape)}",
             )
     for index in range(experts):
         if index not in value:
             missing = first.name.replace(f"experts.{min(value)}.", f"experts.{index}.", 1)
             raise StoreError(
-                f"missing tensor {missing!r} (expert {index} of {experts}; its siblings are in "
-                f"{manifest[first.file]})"
+                f"missing tensor {missing!r} (expert {index} of {experts}; its siblings are in {manifest[first.file]})"
             )
     spec = ExpertTensorSpec(".".join(key), first.dtype, first.shape, first.nbytes)
     spans = tuple((value[e].file, value[e].offset) for e in range(experts))
@@ -483,9 +468,7 @@ class _Found:
     top_k: int
 
 
-def find_sparse_layers(
-    config: dict, tensors: Mapping[str, TensorEntry], manifest: tuple[str, ...]
-) -> _Found:
+def find_sparse_layers(config: dict, tensors: Mapping[str, TensorEntry], manifest: tuple[str, ...]) -> _Found:
     """Every sparse layer's routed-expert tensors, checked against config and each other."""
     family = str(config.get("model_type", ""))
     quant_config = config.get("quantization_config")
@@ -545,16 +528,12 @@ def find_sparse_layers(
             names.extend(checkpoint_names)
         kind, quantization = _check_layer(config, module, specs, entries, manifest)
         specs_tuple = tuple(specs.values())
-        layers[layer] = SparseLayer(
-            layer, module, kind, layout, specs_tuple, quantization, tuple(names)
-        )
+        layers[layer] = SparseLayer(layer, module, kind, layout, specs_tuple, quantization, tuple(names))
         sources[layer] = tuple(spans)
 
     top_k = _config_int(config, _TOP_K_KEYS)
     if top_k is None or not 1 <= top_k[1] <= experts:
-        raise StoreError(
-            f"config needs a top-k ({'/'.join(_TOP_K_KEYS)}) between 1 and {experts}, got {top_k}"
-        )
+        raise StoreError(f"config needs a top-k ({'/'.join(_TOP_K_KEYS)}) between 1 and {experts}, got {top_k}")
     return _Found(layers, sources, experts, top_k[1])
 
 
@@ -655,14 +634,10 @@ class ExpertStore:
             name for layer in found.layers.values() for name in layer.checkpoint_names
         )
         self.expert_bytes = sum(self.tensors[name].nbytes for name in self.expert_tensor_names)
-        self.dense_bytes = sum(
-            entry.nbytes for name, entry in tensors.items() if name not in self.expert_tensor_names
-        )
+        self.dense_bytes = sum(entry.nbytes for name, entry in tensors.items() if name not in self.expert_tensor_names)
         self._plans: dict[tuple[int, int], _ExpertPlan] = {}
         widest = max(
-            _plan_expert(
-                layer, expert, self.layers[layer].tensors, self._sources[layer], block_size
-            ).extent
+            _plan_expert(layer, expert, self.layers[layer].tensors, self._sources[layer], block_size).extent
             for layer in self.sparse_layers
             for expert in range(self.experts_per_layer)
         )
@@ -673,9 +648,7 @@ class ExpertStore:
         """Index `model_dir`; refuse (StoreError) a checkpoint that does not match its config."""
         block = require_int(block_size, "block_size", minimum=1)
         if block & (block - 1) or block > SLOT_ALIGNMENT:
-            raise ValueError(
-                f"block_size must be a power of two no larger than {SLOT_ALIGNMENT}, got {block}"
-            )
+            raise ValueError(f"block_size must be a power of two no larger than {SLOT_ALIGNMENT}, got {block}")
         root = Path(model_dir)
         if not root.is_dir():
             raise StoreError(f"{os.path.abspath(root)}: not a model directory")
@@ -721,10 +694,7 @@ class ExpertStore:
         number = self.layer(layer).layer
         expert = require_int(expert_id, "expert_id")
         if expert >= self.experts_per_layer:
-            raise ValueError(
-                f"expert_id {expert} out of range: layer {number} has "
-                f"{self.experts_per_layer} experts"
-            )
+            raise ValueError(f"expert_id {expert} out of range: layer {number} has {self.experts_per_layer} experts")
         plan = self._plans.get((number, expert))
         if plan is None:
             specs, sources = self.layers[number].tensors, self._sources[number]

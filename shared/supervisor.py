@@ -150,19 +150,39 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
     parser = argparse.ArgumentParser(prog="moeslab-launch", description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--model", required=True, metavar="DIR", help="the mlx-lm model directory")
-    add("--memory-budget", required=True, type=_size, metavar="SIZE",
-        help="total for dense weights, KV reserve and slab: 8GiB, 512MiB, 1.5GB or bytes")
+    add(
+        "--memory-budget",
+        required=True,
+        type=_size,
+        metavar="SIZE",
+        help="total for dense weights, KV reserve and slab: 8GiB, 512MiB, 1.5GB or bytes",
+    )
     add("--io-workers", type=_count(1), default=2, metavar="N")
     add("--working-slots", type=_count(1), default=None, metavar="N")
-    add("--slots-per-layer", type=_count(1), default=None, metavar="N",
-        help="upper bound on resident slots per sparse layer")
+    add(
+        "--slots-per-layer",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="upper bound on resident slots per sparse layer",
+    )
     add("--pinned-experts", type=_pins, default=0, metavar="N|auto")
     add("--io-mode", choices=("direct", "buffered"), default="direct")
-    add("--compute-lanes", type=_lanes, default=None, metavar="N|auto",
-        help="MLX streams a decode step's experts compute on (auto: 2 on a CPU with 2+ cores, else 1)")
+    add(
+        "--compute-lanes",
+        type=_lanes,
+        default=None,
+        metavar="N|auto",
+        help="MLX streams a decode step's experts compute on (auto: 2 on a CPU with 2+ cores, else 1)",
+    )
     add("--run-dir", default=None, metavar="DIR", help="default: a fresh private directory")
-    add("--endpoint", type=_endpoint, default=None, metavar="URL",
-        help="jobs endpoint (default ipc://RUN_DIR/jobs; tcp://127.0.0.1:PORT allowed, loopback only)")
+    add(
+        "--endpoint",
+        type=_endpoint,
+        default=None,
+        metavar="URL",
+        help="jobs endpoint (default ipc://RUN_DIR/jobs; tcp://127.0.0.1:PORT allowed, loopback only)",
+    )
     add("--usage-file", default=None, metavar="PATH", help="the expert usage ledger")
     add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
     add("--kv-reserve", type=_size, default=DEFAULT_KV_RESERVE_BYTES, metavar="SIZE")
@@ -173,13 +193,24 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
     add("--test-hooks", default="", help=argparse.SUPPRESS)  # comma-separated coordinator test hooks
     ns = parser.parse_args(argv)
     return SupervisorOptions(
-        model=ns.model, memory_budget=ns.memory_budget, io_workers=ns.io_workers, working_slots=ns.working_slots,
-        slots_per_layer=ns.slots_per_layer, pinned_experts=ns.pinned_experts, io_mode=ns.io_mode,
-        run_dir=ns.run_dir, endpoint=ns.endpoint, usage_file=ns.usage_file, log_level=ns.log_level,
-        kv_reserve=ns.kv_reserve, start_timeout=ns.start_timeout,
+        model=ns.model,
+        memory_budget=ns.memory_budget,
+        io_workers=ns.io_workers,
+        working_slots=ns.working_slots,
+        slots_per_layer=ns.slots_per_layer,
+        pinned_experts=ns.pinned_experts,
+        io_mode=ns.io_mode,
+        run_dir=ns.run_dir,
+        endpoint=ns.endpoint,
+        usage_file=ns.usage_file,
+        log_level=ns.log_level,
+        kv_reserve=ns.kv_reserve,
+        start_timeout=ns.start_timeout,
         restart=RestartPolicy(max_restarts=ns.max_restarts, window_s=ns.restart_window),
-        compute_lanes=ns.compute_lanes, test_io_read_delay_ms=ns.test_io_read_delay_ms,
-        test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook))  # fmt: skip
+        compute_lanes=ns.compute_lanes,
+        test_io_read_delay_ms=ns.test_io_read_delay_ms,
+        test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook),
+    )
 
 
 # ------------------------------------------------------------------ signals and logging
@@ -251,9 +282,17 @@ def ready_line(system: RunningSystem) -> str:
     """The one line of stdout: where to connect, what runs, what was planned."""
     pids = {"supervisor": os.getpid(), **{_pid_key(name): pid for name, pid in system.pids.items()}}
     assert system.config is not None
-    return json.dumps({"event": "ready", "endpoint": system.endpoint, "run_dir": system.run_dir,
-                       "slab": system.slab_name, "pids": pids, "plan": asdict(system.plan),
-                       "pinned": [list(pair) for pair in system.config.pinned]})  # fmt: skip
+    return json.dumps(
+        {
+            "event": "ready",
+            "endpoint": system.endpoint,
+            "run_dir": system.run_dir,
+            "slab": system.slab_name,
+            "pids": pids,
+            "plan": asdict(system.plan),
+            "pinned": [list(pair) for pair in system.config.pinned],
+        }
+    )
 
 
 # ------------------------------------------------------------------ the watch loop
@@ -269,8 +308,9 @@ class _Unready:
 class _Watcher:
     """Restarts dead children within the restart budget; checks that restarted ones become ready."""
 
-    def __init__(self, system: RunningSystem, options: SupervisorOptions, signals: _Signals,
-                 context: zmq.Context) -> None:  # fmt: skip
+    def __init__(
+        self, system: RunningSystem, options: SupervisorOptions, signals: _Signals, context: zmq.Context
+    ) -> None:
         self.system, self.options, self.signals = system, options, signals
         self.deaths: dict[str, deque[float]] = {}
         self.restart_at: dict[str, float] = {}  # name -> when its dead child is restarted
@@ -322,15 +362,25 @@ class _Watcher:
         self.unready.pop(child.name, None)
         logger.error("%s", child.describe())
         if len(deaths) > policy.max_restarts:
-            logger.error("%s died %d times within %g s (at most %d restarts allowed); stopping the system",
-                         child.name, len(deaths), policy.window_s, policy.max_restarts)  # fmt: skip
+            logger.error(
+                "%s died %d times within %g s (at most %d restarts allowed); stopping the system",
+                child.name,
+                len(deaths),
+                policy.window_s,
+                policy.max_restarts,
+            )
             return False
         delay = policy.backoff(len(deaths))
         self.restart_at[child.name] = now + delay
         what = "every child (the coordinator holds all their sessions)" if child.name == COORDINATOR else child.name
-        logger.warning("restarting %s%s (restart %d of at most %d per %g s)", what,
-                       f" in {delay:g} s" if delay else "", len(deaths), policy.max_restarts,
-                       policy.window_s)  # fmt: skip
+        logger.warning(
+            "restarting %s%s (restart %d of at most %d per %g s)",
+            what,
+            f" in {delay:g} s" if delay else "",
+            len(deaths),
+            policy.max_restarts,
+            policy.window_s,
+        )
         return True
 
     def _restart(self, name: str) -> bool:
@@ -380,8 +430,12 @@ class _Watcher:
         for name, state in list(self.unready.items()):
             if now > state.deadline:
                 child = next(c for c in self.system.children if c.name == name)
-                logger.error("%s (pid %d) was not ready %g s after its restart; killing it", name, child.pid,
-                             self.options.start_timeout)  # fmt: skip
+                logger.error(
+                    "%s (pid %d) was not ready %g s after its restart; killing it",
+                    name,
+                    child.pid,
+                    self.options.start_timeout,
+                )
                 del self.unready[name]
                 child.process.kill()
         if self.unready and now >= self.next_health:
@@ -403,8 +457,13 @@ def _pinned(options: SupervisorOptions) -> int | tuple[tuple[int, int], ...]:
         return int(options.pinned_experts)
     store = ExpertStore.open(options.model)
     usage = os.path.abspath(options.usage_file) if options.usage_file else None
-    return auto_pins(store, memory_budget=options.memory_budget, kv_reserve_bytes=options.kv_reserve,
-                     working_slots=options.working_slots, usage_file=usage)  # fmt: skip
+    return auto_pins(
+        store,
+        memory_budget=options.memory_budget,
+        kv_reserve_bytes=options.kv_reserve,
+        working_slots=options.working_slots,
+        usage_file=usage,
+    )
 
 
 def _with_default_usage_file(options: SupervisorOptions) -> SupervisorOptions:
@@ -427,18 +486,32 @@ def run_supervisor(options: SupervisorOptions) -> int:
         try:
             report = clean_stale_runs()
             if report.removed_dirs:
-                logger.info("removed %d stale run(s) and %d segment(s) of dead launchers", len(report.removed_dirs),
-                            len(report.removed_segments))  # fmt: skip
+                logger.info(
+                    "removed %d stale run(s) and %d segment(s) of dead launchers",
+                    len(report.removed_dirs),
+                    len(report.removed_segments),
+                )
             if options.run_dir is not None:
                 claim_run_dir(options.run_dir)
             system = start_system(
-                model_dir=options.model, memory_budget=options.memory_budget, io_workers=options.io_workers,
-                working_slots=options.working_slots, slots_per_layer=options.slots_per_layer,
-                pinned=_pinned(options), io_mode=options.io_mode, run_dir=options.run_dir,
-                usage_file=options.usage_file, test_hooks=options.test_hooks, log_level=options.log_level,
-                kv_reserve_bytes=options.kv_reserve, start_timeout=options.start_timeout,
-                jobs_endpoint=options.endpoint, io_read_delay_ms=options.test_io_read_delay_ms,
-                compute_lanes=options.compute_lanes, cancel=signals.requested)  # fmt: skip
+                model_dir=options.model,
+                memory_budget=options.memory_budget,
+                io_workers=options.io_workers,
+                working_slots=options.working_slots,
+                slots_per_layer=options.slots_per_layer,
+                pinned=_pinned(options),
+                io_mode=options.io_mode,
+                run_dir=options.run_dir,
+                usage_file=options.usage_file,
+                test_hooks=options.test_hooks,
+                log_level=options.log_level,
+                kv_reserve_bytes=options.kv_reserve,
+                start_timeout=options.start_timeout,
+                jobs_endpoint=options.endpoint,
+                io_read_delay_ms=options.test_io_read_delay_ms,
+                compute_lanes=options.compute_lanes,
+                cancel=signals.requested,
+            )
             try:
                 sys.stdout.write(ready_line(system) + "\n")
                 sys.stdout.flush()
@@ -462,8 +535,7 @@ def run_supervisor(options: SupervisorOptions) -> int:
             context.term()
             if system is not None:
                 system.stop()
-                logger.info("stopped; slab %s unlinked, run directory %s cleaned up", system.slab_name,
-                            system.run_dir)  # fmt: skip
+                logger.info("stopped; slab %s unlinked, run directory %s cleaned up", system.slab_name, system.run_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -145,20 +145,20 @@ def parse_trace(lines: Iterable[str], *, source: str = "<trace>") -> Trace:
             for index, text in enumerate(fields):
                 if not (text.isascii() and _DIGITS.fullmatch(text)):
                     raise _field_error(source, number, index, text)
-            raise TraceFormatError(
-                source, number, f"fields must be separated by spaces or tabs: {line!r}", line
-            )
+            raise TraceFormatError(source, number, f"fields must be separated by spaces or tabs: {line!r}", line)
         if width is None:
             if len(values) < 3:
                 raise TraceFormatError(
-                    source, number,
+                    source,
+                    number,
                     f"expected 'token layer e1 ... ek' (at least 3 fields), got {len(values)}: {line!r}",
                     line,
                 )
             width, width_line = len(values), number
         elif len(values) != width:
             raise TraceFormatError(
-                source, number,
+                source,
+                number,
                 f"expected {width} fields (token, layer and {width - 2} experts, as on line "
                 f"{width_line}), got {len(values)}: {line!r}",
                 line,
@@ -169,7 +169,8 @@ def parse_trace(lines: Iterable[str], *, source: str = "<trace>") -> Trace:
                 earlier = seen_tokens_line.get(token)
                 where = f" (token {token} already ended, first seen on line {earlier})" if earlier else ""
                 raise TraceFormatError(
-                    source, number,
+                    source,
+                    number,
                     f"token {token} is out of order: it follows token {current_token}{where}; "
                     f"lines must be grouped by token in increasing order",
                     str(token),
@@ -178,9 +179,7 @@ def parse_trace(lines: Iterable[str], *, source: str = "<trace>") -> Trace:
             seen_layers = set()
             seen_tokens_line[token] = number
         if layer in seen_layers:
-            raise TraceFormatError(
-                source, number, f"duplicate layer {layer} for token {token}", str(layer)
-            )
+            raise TraceFormatError(source, number, f"duplicate layer {layer} for token {token}", str(layer))
         seen_layers.add(layer)
         tokens.append(token)
         layers.append(layer)

@@ -41,9 +41,7 @@ def no_leaks():
     shm_before = _shm_entries()
     children_before = {child.pid for child in me.children(recursive=True)}
     yield
-    leftover_children = [
-        child for child in me.children(recursive=True) if child.pid not in children_before
-    ]
+    leftover_children = [child for child in me.children(recursive=True) if child.pid not in children_before]
     for child in leftover_children:
         try:
             child.wait(timeout=5)

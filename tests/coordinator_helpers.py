@@ -45,9 +45,13 @@ def start(path, *, config: dict | None = None, **options) -> RunningSystem:
     """A system over the model at `path`: working bank of top_k, every expert resident by default."""
     store = ExpertStore.open(path)
     slots = store.top_k + len(store.sparse_layers) * store.experts_per_layer
-    defaults = dict(model_dir=path, working_slots=store.top_k, kv_reserve_bytes=TEST_KV_RESERVE,
-                    memory_budget=store.dense_bytes + TEST_KV_RESERVE + slots * store.slot_bytes,
-                    io_mode=io_mode_for(path))  # fmt: skip
+    defaults = dict(
+        model_dir=path,
+        working_slots=store.top_k,
+        kv_reserve_bytes=TEST_KV_RESERVE,
+        memory_budget=store.dense_bytes + TEST_KV_RESERVE + slots * store.slot_bytes,
+        io_mode=io_mode_for(path),
+    )
     with _config_fields(config or {}):
         return start_system(**{**defaults, **options})
 

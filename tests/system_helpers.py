@@ -92,13 +92,20 @@ class JobResult:
         return [token_logprobs(event) for event in self.events]
 
 
-def run_job(system: RunningSystem, *, prompt_tokens: Sequence[int] = PROMPT, max_tokens: int = 32,
-            return_logprobs: bool = True, timeout: float = 120.0) -> JobResult:  # fmt: skip
+def run_job(
+    system: RunningSystem,
+    *,
+    prompt_tokens: Sequence[int] = PROMPT,
+    max_tokens: int = 32,
+    return_logprobs: bool = True,
+    timeout: float = 120.0,
+) -> JobResult:
     with Client(system.endpoint, timeout=timeout) as client:
         events: list[TokenEvent] = []
         done: Done | None = None
-        for event in client.generate(prompt_tokens=list(prompt_tokens), max_tokens=max_tokens,
-                                     return_logprobs=return_logprobs):  # fmt: skip
+        for event in client.generate(
+            prompt_tokens=list(prompt_tokens), max_tokens=max_tokens, return_logprobs=return_logprobs
+        ):
             if isinstance(event, TokenEvent):
                 events.append(event)
             else:

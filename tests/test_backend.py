@@ -66,8 +66,9 @@ def tmpfs_dir():
     shutil.rmtree(directory)
 
 
-@pytest.mark.parametrize(("where", "io_mode", "expected_mode"), [("disk", "auto", "direct"),
-                                                                  ("tmpfs", "dontneed", "dontneed")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("where", "io_mode", "expected_mode"), [("disk", "auto", "direct"), ("tmpfs", "dontneed", "dontneed")]
+)
 def test_bytes_land_exactly_across_workers(request, tmp_path, where, io_mode, expected_mode):
     directory = tmp_path if where == "disk" else request.getfixturevalue("tmpfs_dir")
     paths, blobs = write_files(directory)
@@ -113,8 +114,9 @@ def test_cancel_and_in_flight_loads(tmp_path):
 
     async def scenario() -> None:
         with Slab.create(total_slots=3, slot_bytes=SLOT) as slab:
-            async with IOWorkerPool(slab=slab, manifest=paths, workers=1, queue_depth=1,
-                                    test_read_delay_ms=1000) as pool:  # fmt: skip
+            async with IOWorkerPool(
+                slab=slab, manifest=paths, workers=1, queue_depth=1, test_read_delay_ms=1000
+            ) as pool:
                 backend = pool.backend
                 backend.submit_segments(0, 1, segments)  # in flight for a second
                 backend.submit_segments(1, 2, segments)  # queued behind it
@@ -325,9 +327,13 @@ def test_slot_phases_refuse_writes_to_leased_or_loading_slots(tmp_path):
                     backend.submit_segments(0, 1, SEGMENTS)
                 with pytest.raises(StaleGenerationError):
                     backend.cancel(0, 9)
-                for bad, error in (((), ValueError), ((ExpertIOSegment(0, 0, 10, SLOT - 5),), ValueError),
-                                   ((ExpertIOSegment(2, 0, 10, 0),), ValueError),
-                                   ((ExpertIOSegment(0, 0, 0, 0),), ValueError), (("nope",), TypeError)):  # fmt: skip
+                for bad, error in (
+                    ((), ValueError),
+                    ((ExpertIOSegment(0, 0, 10, SLOT - 5),), ValueError),
+                    ((ExpertIOSegment(2, 0, 10, 0),), ValueError),
+                    ((ExpertIOSegment(0, 0, 0, 0),), ValueError),
+                    (("nope",), TypeError),
+                ):
                     with pytest.raises(error):
                         backend.submit_segments(1, 10, bad)
                 assert backend.phase(1) == "idle"  # refused submits change nothing

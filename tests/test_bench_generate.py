@@ -21,11 +21,31 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("order", ["interleaved", "sequential"])
 def test_bench_generate_reports_both_comparisons(cache, order):
     command = [
-        sys.executable, str(ROOT / "scripts" / "bench_generate.py"),
-        "--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64",
-        "--top-k", "2", "--tokens", "6", "--prompt-tokens", "6", "--repeats", "1", "--disk-experts", "8",
-        "--cache-dir", str(cache), "--json", *(["--sequential"] if order == "sequential" else []),
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "scripts" / "bench_generate.py"),
+        "--layers",
+        "2",
+        "--experts",
+        "8",
+        "--hidden",
+        "128",
+        "--moe-intermediate",
+        "64",
+        "--top-k",
+        "2",
+        "--tokens",
+        "6",
+        "--prompt-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--disk-experts",
+        "8",
+        "--cache-dir",
+        str(cache),
+        "--json",
+        *(["--sequential"] if order == "sequential" else []),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -42,8 +62,13 @@ def test_bench_generate_reports_both_comparisons(cache, order):
     assert resident["slots_per_layer"] == 8 and streaming["slots_per_layer"] == 2
     assert streaming["resident_fraction"] == 0.25 and streaming["misses_per_job"][0] > 0
     for part in (resident, streaming):
-        for key in ("decode_tok_s", "ipc_wait_ms_per_layer", "copy_ms_per_layer", "end_step_fence_ms_per_token",
-                    "copied_MB_per_token"):  # fmt: skip
+        for key in (
+            "decode_tok_s",
+            "ipc_wait_ms_per_layer",
+            "copy_ms_per_layer",
+            "end_step_fence_ms_per_token",
+            "copied_MB_per_token",
+        ):
             assert part[key] > 0, key
         # Decode waves come in parts (top-2: one expert, then the other): only part 0's copy is exposed.
         assert 0 < part["exposed_copy_ms_per_token"] < part["copy_ms_per_token"]
@@ -51,8 +76,16 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         assert part["jobs"][0]["warmup"] and not part["jobs"][1]["warmup"]
     assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0
     roofline = streaming["roofline"]
-    for key in ("t_compute_resident_s", "t_compute_mlx_lm_s", "miss_bytes_per_token", "disk_MBps", "roofline_tok_s",
-                "ratio", "roofline_tok_s_mlx_lm", "ratio_mlx_lm"):  # fmt: skip
+    for key in (
+        "t_compute_resident_s",
+        "t_compute_mlx_lm_s",
+        "miss_bytes_per_token",
+        "disk_MBps",
+        "roofline_tok_s",
+        "ratio",
+        "roofline_tok_s_mlx_lm",
+        "ratio_mlx_lm",
+    ):
         assert roofline[key] > 0, key
     disk = report["disk"]
     assert disk["MBps"] > 0 and disk["single_expert_ms"] > 0 and disk["batch"] >= 1

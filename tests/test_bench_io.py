@@ -16,10 +16,29 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_io.py"
 def test_bench_io_smoke(tmp_path, extra):
     data = tmp_path / "bench.bin"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--file", str(data), "--file-size", "4M", "--block-size", "64K",
-         "--count", "16", "--workers", "1", "--queue-depth", "2", "--json", *extra],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--file",
+            str(data),
+            "--file-size",
+            "4M",
+            "--block-size",
+            "64K",
+            "--count",
+            "16",
+            "--workers",
+            "1",
+            "--queue-depth",
+            "2",
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert data.stat().st_size == 4 << 20  # created with the requested size
     summary = json.loads(result.stdout.strip().splitlines()[-1])

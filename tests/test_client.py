@@ -36,10 +36,18 @@ from shared.protocol import MAX_MESSAGE_BYTES, decode, encode
 
 REPO = Path(__file__).resolve().parents[1]
 STATS = JobStats(
-    prompt_tokens=3, generated_tokens=2, prefill_tok_s=120.5, decode_tok_s=33.25, hits=6, misses=2,
-    hit_rate=0.75, bytes_read=3 << 20, footprint_bytes=150 << 20, peak_footprint_bytes=160 << 20,
+    prompt_tokens=3,
+    generated_tokens=2,
+    prefill_tok_s=120.5,
+    decode_tok_s=33.25,
+    hits=6,
+    misses=2,
+    hit_rate=0.75,
+    bytes_read=3 << 20,
+    footprint_bytes=150 << 20,
+    peak_footprint_bytes=160 << 20,
     budget_bytes=192 << 20,
-)  # fmt: skip
+)
 
 # A handler gets each decoded request and returns what to send back: messages
 # (encoded for the requester), raw bytes (sent as they are), or floats (sleep).
@@ -107,8 +115,9 @@ def _tokens_then_done(request: Generate, pieces=("Hel", "lo")) -> list[object]:
     replies: list[object] = [
         TokenEvent(id=request.id, index=i, token=100 + i, text=text) for i, text in enumerate(pieces)
     ]
-    replies.append(Done(id=request.id, tokens=tuple(100 + i for i in range(len(pieces))),
-                        text="".join(pieces), stats=STATS))  # fmt: skip
+    replies.append(
+        Done(id=request.id, tokens=tuple(100 + i for i in range(len(pieces))), text="".join(pieces), stats=STATS)
+    )
     return replies
 
 
@@ -163,9 +172,11 @@ def test_job_failed_raises_job_error_with_code(fake):
 
 
 def test_busy_raises_server_busy(fake):
-    with Client(fake(lambda r: [Busy(id=r.id, queued=8)]).endpoint, timeout=5) as client:
-        with pytest.raises(ServerBusy) as caught:
-            list(client.generate("x"))
+    with (
+        Client(fake(lambda r: [Busy(id=r.id, queued=8)]).endpoint, timeout=5) as client,
+        pytest.raises(ServerBusy) as caught,
+    ):
+        list(client.generate("x"))
     assert caught.value.queued == 8 and caught.value.code == "busy"
     assert isinstance(caught.value, JobError)
 
@@ -186,9 +197,8 @@ def test_stats_and_health(fake):
 
 def test_error_reply_to_stats_raises(fake):
     server = fake(lambda r: [JobFailed(code="internal", message="boom", id=r.id)])
-    with Client(server.endpoint, timeout=5) as client:
-        with pytest.raises(JobError, match="boom"):
-            client.stats()
+    with Client(server.endpoint, timeout=5) as client, pytest.raises(JobError, match="boom"):
+        client.stats()
 
 
 def test_timeouts_name_the_endpoint(fake):
@@ -273,9 +283,8 @@ def test_cancel_of_unknown_job_raises(fake):
         if isinstance(request, CancelJob):
             yield JobFailed(code=UNKNOWN_JOB, message=f"no job {request.id}", id=request.id)
 
-    with Client(fake(handler).endpoint, timeout=5) as client:
-        with pytest.raises(JobError) as caught:
-            client.cancel("nope")
+    with Client(fake(handler).endpoint, timeout=5) as client, pytest.raises(JobError) as caught:
+        client.cancel("nope")
     assert caught.value.code == UNKNOWN_JOB
 
 
@@ -313,8 +322,7 @@ def test_closing_a_stream_cancels_it_and_drops_its_late_replies(fake):
         if isinstance(request, Generate):
             return [TokenEvent(id=request.id, index=0, token=1)]
         if isinstance(request, CancelJob):
-            return [TokenEvent(id=request.id, index=1, token=2),
-                    JobFailed(code=CANCELLED, message="", id=request.id)]  # fmt: skip
+            return [TokenEvent(id=request.id, index=1, token=2), JobFailed(code=CANCELLED, message="", id=request.id)]
         if isinstance(request, StatsRequest):
             return [StatsReply(id=request.id)]
         return []
@@ -372,8 +380,9 @@ def test_requests_are_checked_before_sending(fake):
 
 def test_cli_json(fake, capsys):
     server = fake(streaming)
-    code = cli_send.main(["--endpoint", server.endpoint, "--prompt-tokens", "1, 2,3", "--json",
-                          "--max-tokens", "2", "--seed", "3"])  # fmt: skip
+    code = cli_send.main(
+        ["--endpoint", server.endpoint, "--prompt-tokens", "1, 2,3", "--json", "--max-tokens", "2", "--seed", "3"]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
     result = json.loads(out)
@@ -438,13 +447,19 @@ def test_cli_needs_an_endpoint(capsys, monkeypatch):
 def test_send_script_as_subprocess(fake):
     server = fake(streaming)
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "send.py"), "--endpoint", server.endpoint,
-         "--prompt", "hi", "--json"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
+        [sys.executable, str(REPO / "scripts" / "send.py"), "--endpoint", server.endpoint, "--prompt", "hi", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["text"] == "Hello"
-    usage = subprocess.run([sys.executable, str(REPO / "scripts" / "send.py"), "--prompt-tokens", "a"],
-                           capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    usage = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "send.py"), "--prompt-tokens", "a"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert usage.returncode == 2 and "comma-separated" in usage.stderr
-

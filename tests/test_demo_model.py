@@ -31,9 +31,16 @@ from tests.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(
-    hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+)
 
 
 def test_default_sizing_is_four_times_the_budget():
@@ -112,8 +119,10 @@ def test_never_replaces_a_foreign_directory(tmp_path):
     assert (tmp_path / "precious.txt").read_text() == "mine"
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_demo_model.py"), "--out", str(tmp_path), "--json"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "choose another directory" in result.stderr
 
 

@@ -39,8 +39,19 @@ def system(tmp_path_factory):
 
 
 def _sums(stats) -> dict[str, int]:
-    names = ("prompt_tokens", "generated_tokens", "hits", "misses", "bytes_read", "evictions",
-             "pressure_evictions", "repin_swaps", "bytes_copied", "hints_submitted", "io_fallback_ops")  # fmt: skip
+    names = (
+        "prompt_tokens",
+        "generated_tokens",
+        "hits",
+        "misses",
+        "bytes_read",
+        "evictions",
+        "pressure_evictions",
+        "repin_swaps",
+        "bytes_copied",
+        "hints_submitted",
+        "io_fallback_ops",
+    )
     return {name: getattr(stats, name) for name in names}
 
 
@@ -67,8 +78,15 @@ def test_cumulative_stats_add_up_over_two_jobs(system):
     assert total.peak_footprint_bytes >= max(first.peak_footprint_bytes, second.peak_footprint_bytes)
     assert total.budget_bytes == system.plan.budget_bytes and total.footprint_bytes > 0
     if before.jobs_done + before.jobs_failed == 0:  # rates and percentiles of exactly these two jobs
-        for name in ("prefill_tok_s", "decode_tok_s", "all_resident", "disk_p50_ms", "disk_p99_ms",
-                     "wait_p50_ms", "wait_p99_ms"):  # fmt: skip
+        for name in (
+            "prefill_tok_s",
+            "decode_tok_s",
+            "all_resident",
+            "disk_p50_ms",
+            "disk_p99_ms",
+            "wait_p50_ms",
+            "wait_p99_ms",
+        ):
             assert _between(getattr(total, name), getattr(first, name), getattr(second, name)), name
         decode_ms = first.generated_tokens / first.decode_tok_s + second.generated_tokens / second.decode_tok_s
         assert total.decode_tok_s == pytest.approx(total.generated_tokens / decode_ms, rel=1e-6)
@@ -83,7 +101,7 @@ def test_three_concurrent_clients_are_all_served(system):
         try:
             with Client(system.endpoint, timeout=60) as client:
                 results[index] = client.generate(prompt_tokens=prompts[index], max_tokens=8).result()
-        except BaseException as error:  # noqa: BLE001 - reported below
+        except BaseException as error:
             errors.append(error)
 
     threads = [threading.Thread(target=serve, args=(index,)) for index in range(3)]
@@ -164,8 +182,12 @@ MALFORMED = [
     (_generate(id="r6", top_p=1.5), "bad_request", "r6", "top_p"),
     (_generate(id="r7", prompt_tokens=[VOCAB_SIZE]), "bad_request", "r7", "vocabulary"),
     (_generate(id="r8", prompt_tokens=[1] * (CONTEXT + 1)), "prompt_too_long", "r8", f"context is {CONTEXT}"),
-    (_generate(id="r9", prompt="a" * (CONTEXT + 100), prompt_tokens=None), "prompt_too_long", "r9",
-     "max_position_embeddings"),  # tokenized and refused by the GPU worker
+    (
+        _generate(id="r9", prompt="a" * (CONTEXT + 100), prompt_tokens=None),
+        "prompt_too_long",
+        "r9",
+        "max_position_embeddings",
+    ),  # tokenized and refused by the GPU worker
     (_generate(id="b1", prompt="hi"), "bad_request", "b1", "exactly one"),
     ({"op": "generate", "id": "b2"}, "bad_request", "b2", "exactly one"),
     (_generate(id="b3", prompt_tokens=[]), "bad_request", "b3", "empty"),

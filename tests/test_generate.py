@@ -49,8 +49,15 @@ def test_greedy_is_generate_step_and_after_forward_runs_per_model_call(loaded):
     tokenizer.eos_token_ids = {EOS_TOKEN_ID}
     want = _mlx_lm(model, PROMPT, 8, prefill_step_size=16)
     calls, seen = [], []
-    result = generate(model, tokenizer, PROMPT, max_tokens=8, prefill_step_size=16,
-                      after_forward=lambda: calls.append(1), on_token=seen.append)  # fmt: skip
+    result = generate(
+        model,
+        tokenizer,
+        PROMPT,
+        max_tokens=8,
+        prefill_step_size=16,
+        after_forward=lambda: calls.append(1),
+        on_token=seen.append,
+    )
     expected = want[: want.index(EOS_TOKEN_ID)] if EOS_TOKEN_ID in want else want
     assert list(result.tokens) == expected and [s.token for s in seen] == expected
     assert [s.index for s in seen] == list(range(len(expected)))
@@ -128,14 +135,16 @@ def test_prompts_raw_text_or_ids_and_their_limits(loaded):
     limits = {"context": 10, "vocab": VOCAB_SIZE}
     assert prompt_ids(tokenizer, prompt="abc", prompt_tokens=None, **limits) == list(b"abc")
     assert prompt_ids(tokenizer, prompt="abc", prompt_tokens=(1, 2), **limits) == [1, 2]  # ids win
-    for kwargs, code in (({"prompt": None, "prompt_tokens": None}, "bad_request"),
-                         ({"prompt": "", "prompt_tokens": None}, "bad_request"),
-                         ({"prompt": None, "prompt_tokens": (VOCAB_SIZE,)}, "bad_request"),
-                         ({"prompt": None, "prompt_tokens": (1,) * 11}, PROMPT_TOO_LONG)):  # fmt: skip
+    for kwargs, code in (
+        ({"prompt": None, "prompt_tokens": None}, "bad_request"),
+        ({"prompt": "", "prompt_tokens": None}, "bad_request"),
+        ({"prompt": None, "prompt_tokens": (VOCAB_SIZE,)}, "bad_request"),
+        ({"prompt": None, "prompt_tokens": (1,) * 11}, PROMPT_TOO_LONG),
+    ):
         with pytest.raises(JobRefused) as refused:
             prompt_ids(tokenizer, **kwargs, **limits)
         assert refused.value.code == code
-    with pytest.raises(JobRefused, match="11 tokens.*context is 10"):
+    with pytest.raises(JobRefused, match=r"11 tokens.*context is 10"):
         prompt_ids(tokenizer, prompt=None, prompt_tokens=(1,) * 11, **limits)
 
 

@@ -79,7 +79,7 @@ class Log(list):
 
 
 class RecordingWave(LeasedWave):
-    __slots__ = ("number", "log", "refs")
+    __slots__ = ("log", "number", "refs")
 
     def take(self):
         self.log.append(("take", self.number))
@@ -106,8 +106,7 @@ class RecordingProvider:
         waves = []
         for start in range(0, len(unique), self.bank):
             ids = unique[start : start + self.bank]
-            tensors = [{name: mx.array(np.array(array[e])) for name, array in self.experts[layer].items()}
-                       for e in ids]
+            tensors = [{name: mx.array(np.array(array[e])) for name, array in self.experts[layer].items()} for e in ids]
             wave = RecordingWave(ids, tensors, lease=self.waves)
             wave.number, wave.log = self.waves, self.log
             wave.refs = [weakref.ref(array) for group in tensors for array in group.values()]
@@ -153,8 +152,9 @@ def models(tmp_path_factory):
     def get(family: str, quantized: bool, dtype: str = "float32") -> Path:
         key = (family, quantized, dtype)
         if key not in made:
-            made[key] = _write_model(tmp_path_factory.mktemp(f"{family}-{int(quantized)}-{dtype}"), family,
-                                     quantized, dtype=dtype)
+            made[key] = _write_model(
+                tmp_path_factory.mktemp(f"{family}-{int(quantized)}-{dtype}"), family, quantized, dtype=dtype
+            )
         return made[key]
 
     return get
@@ -199,6 +199,7 @@ def _record_routes(model) -> dict[int, list[np.ndarray]]:
 # ---------------------------------------------------------------------------------------------
 # Against mlx-lm, every family, full precision and 4-bit
 
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_generation_equals_mlx_lm(family, quantized, models, log):
@@ -228,13 +229,18 @@ def test_streamed_generation_equals_mlx_lm(family, quantized, models, log):
     assert any(waves > 1 for _, _, waves in provider.calls), "prefill never needed several waves"
     # The provider saw every router selection, before dedup: as many as mlx-lm's routers made.
     for layer, seen in oracle_routes.items():
-        assert sum(r.size for l, r, _ in provider.calls if l == layer) == sum(r.size for r in seen)
+        assert sum(r.size for at, r, _ in provider.calls if at == layer) == sum(r.size for r in seen)
 
     # Logits of the whole prompt in one forward (multi-wave prefill).
     logits_diff = _rel(oracle(mx.array([PROMPT])), model(mx.array([PROMPT])))
     assert logits_diff <= RTOL
-    logging.getLogger(__name__).info("%s %s: max relative difference %.3g (steps), %.3g (logits)",
-                                     family, "q4" if quantized else "fp32", step_diff, logits_diff)
+    logging.getLogger(__name__).info(
+        "%s %s: max relative difference %.3g (steps), %.3g (logits)",
+        family,
+        "q4" if quantized else "fp32",
+        step_diff,
+        logits_diff,
+    )
 
     # Lease discipline: each wave fenced exactly once, nothing left leased.
     assert not provider.outstanding
@@ -284,8 +290,9 @@ class SlabProvider:
         waves = []
         for start in range(0, len(unique), self.slots):
             ids = unique[start : start + self.slots]
-            waves.append(LeasedWave(ids, lambda ids=ids, lease=self.waves: self._load(layer, ids, lease),
-                                    lease=self.waves))
+            waves.append(
+                LeasedWave(ids, lambda ids=ids, lease=self.waves: self._load(layer, ids, lease), lease=self.waves)
+            )
             self.waves += 1
         return waves
 
@@ -317,8 +324,15 @@ class SlabProvider:
 
 
 # bfloat16 only quantized: MLX's CPU gather_mm (unquantized experts) supports float32 only.
-@pytest.mark.parametrize("family,quantized,dtype", [("gpt_oss", True, "float32"), ("deepseek_v3", False, "float32"),
-                                                    ("qwen3_moe", True, "float32"), ("mixtral", True, "bfloat16")])
+@pytest.mark.parametrize(
+    "family,quantized,dtype",
+    [
+        ("gpt_oss", True, "float32"),
+        ("deepseek_v3", False, "float32"),
+        ("qwen3_moe", True, "float32"),
+        ("mixtral", True, "bfloat16"),
+    ],
+)
 def test_through_store_layouts_and_slots(family, quantized, dtype, models):
     store_module = pytest.importorskip("shared.store")
     path = models(family, quantized, dtype)
@@ -427,8 +441,14 @@ _MEASURE = textwrap.dedent(
 
 def _measure(mode: str, path: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _MEASURE, mode, str(path)], capture_output=True, text=True,
-                          env=env, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, mode, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -436,15 +456,17 @@ def _measure(mode: str, path: Path) -> dict:
 def test_loading_reads_dense_bytes_only(layout, tmp_path):
     # Experts: 2 layers x 64 experts x 3 x (128 x 512) fp32 = 96 MiB; dense well under 1 MiB.
     # per_expert: Hugging Face names, stacked by the family's sanitize (lazily, never evaluated).
-    path = write_tiny_model(tmp_path / "big", family="qwen3_moe", layout=layout, hidden_size=128,
-                            moe_intermediate_size=512, num_experts=64)
+    path = write_tiny_model(
+        tmp_path / "big", family="qwen3_moe", layout=layout, hidden_size=128, moe_intermediate_size=512, num_experts=64
+    )
     streamed_run, full_run = _measure("streamed", path), _measure("full", path)
     dense = streamed_run["dense"]
     routed = sum(os.path.getsize(file) for file in path.glob("*.safetensors")) - dense
     assert routed >= 8 * dense and routed >= 64 * 2**20
     margin = 16 * 2**20  # interpreter, allocator and lazy-graph noise
-    logging.getLogger(__name__).info("dense %d, routed %d bytes; streamed load %s; full load %s",
-                                     dense, routed, streamed_run, full_run)
+    logging.getLogger(__name__).info(
+        "dense %d, routed %d bytes; streamed load %s; full load %s", dense, routed, streamed_run, full_run
+    )
     assert streamed_run["rss"] <= dense + margin, (streamed_run, dense)
     assert streamed_run["uss"] <= dense + margin, (streamed_run, dense)
     assert streamed_run["active"] <= dense + 2**20
@@ -588,8 +610,18 @@ class PartedProvider(DetachedProvider):
             order = mx.array(list(parts[index]))
             return {name: array[order] for name, array in self.experts[layer].items()}
 
-        return [LeasedWave(ranks, lambda: None, lease=wave.lease, stacked=True, detached=True, parts=parts,
-                           take_part=take_part, part_lanes=part_lanes(len(parts), self.lanes))]  # fmt: skip
+        return [
+            LeasedWave(
+                ranks,
+                lambda: None,
+                lease=wave.lease,
+                stacked=True,
+                detached=True,
+                parts=parts,
+                take_part=take_part,
+                part_lanes=part_lanes(len(parts), self.lanes),
+            )
+        ]
 
 
 @pytest.mark.parametrize("lanes", [1, 2], ids=["1lane", "2lanes"])
@@ -628,8 +660,9 @@ def test_parts_are_checked():
         LeasedWave([1, 2], lambda: None, stacked=True, detached=True, parts=[(1,), (1,)], take_part=lambda j: tensors)
     with pytest.raises(ValueError, match="stacked, detached"):
         LeasedWave([1, 2], lambda: None, parts=[(1,), (2,)], take_part=lambda j: tensors)
-    wave = LeasedWave([1, 2], lambda: None, stacked=True, detached=True, parts=[(1,), (2,)],
-                      take_part=lambda j: tensors)  # fmt: skip
+    wave = LeasedWave(
+        [1, 2], lambda: None, stacked=True, detached=True, parts=[(1,), (2,)], take_part=lambda j: tensors
+    )
     with pytest.raises(ExpertProviderError, match="out of order"):
         wave.take_part(1)
     assert wave.take_part(0) is tensors

@@ -95,12 +95,27 @@ class FakeCoordinator:
     # -- process ----------------------------------------------------------------------------------
 
     def spawn(self, model_dir: Path, *extra: str) -> subprocess.Popen:
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes to it; closed once it has it
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpuworker", "--model", str(model_dir), "--endpoint", self.endpoint,
-             "--log-level", "DEBUG", "--reply-timeout", "20", *extra],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "gpuworker",
+                "--model",
+                str(model_dir),
+                "--endpoint",
+                self.endpoint,
+                "--log-level",
+                "DEBUG",
+                "--reply-timeout",
+                "20",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
         log.close()
         return self.process
 
@@ -141,9 +156,15 @@ class FakeCoordinator:
     def handshake(self) -> GpuReady:
         hello = self.recv()
         assert isinstance(hello, GpuHello) and hello.pid == self.process.pid
-        self.send(GpuWelcome(slab_name=self.slab.name, total_slots=self.slab.total_slots,
-                             slot_bytes=self.slab.slot_bytes, working_slots=self.working_slots,
-                             block_size=4096))  # fmt: skip
+        self.send(
+            GpuWelcome(
+                slab_name=self.slab.name,
+                total_slots=self.slab.total_slots,
+                slot_bytes=self.slab.slot_bytes,
+                working_slots=self.working_slots,
+                block_size=4096,
+            )
+        )
         ready = self.recv(timeout=60)
         assert isinstance(ready, GpuReady), ready
         return ready
@@ -188,8 +209,11 @@ class FakeCoordinator:
                 self.send_raw(error_frame("bad_request", "routes refused (test)"))
                 return
             if message.fence is not None:
-                if self.active is None or self.active["id"] != message.fence or \
-                        self.active["index"] != len(self.active["waves"]) - 1:  # fmt: skip
+                if (
+                    self.active is None
+                    or self.active["id"] != message.fence
+                    or self.active["index"] != len(self.active["waves"]) - 1
+                ):
                     self.violations.append(f"routes piggyback a fence of {message.fence}; active {self.active}")
                 self._release()
             if self.active is not None:
@@ -227,8 +251,15 @@ class FakeCoordinator:
         lease_id = self.next_lease
         self.next_lease += 1
         self.active = {"id": lease_id, "layer": layer, "waves": waves, "index": index, "slots": slots}
-        reply = Lease(lease_id=lease_id, layer=layer, wave=index, waves=len(waves), experts=tuple(experts),
-                      slots=tuple(slots), generations=tuple(range(1, len(slots) + 1)))  # fmt: skip
+        reply = Lease(
+            lease_id=lease_id,
+            layer=layer,
+            wave=index,
+            waves=len(waves),
+            experts=tuple(experts),
+            slots=tuple(slots),
+            generations=tuple(range(1, len(slots) + 1)),
+        )
         fault = self.faults.pop(0) if self.faults else None
         if fault == "wrong_layer":
             reply = replace(reply, layer=layer + 1)
@@ -366,7 +397,7 @@ def test_channel_keeps_what_arrives_while_it_waits():
         assert channel.cancel_requested(5) and not channel.cancel_requested(6)  # 6 never ran here
         _, frame = router.recv_multipart()
         assert decode(frame, COORDINATOR_ACCEPTS_FROM_GPU).code == "bad_frame"
-        with pytest.raises(LeaseError, match="no reply to routes of layer 2 within 0.2 s"):
+        with pytest.raises(LeaseError, match=r"no reply to routes of layer 2 within 0\.2 s"):
             channel.wait_reply("routes of layer 2", timeout_s=0.2)
         router.send_multipart([identity, error_frame("load_failed", "disk on fire")])
         with pytest.raises(LeaseError, match="refused routes of layer 2: load_failed: disk on fire"):
@@ -381,7 +412,7 @@ def test_channel_keeps_what_arrives_while_it_waits():
 
 
 def test_handshake_reports_the_dense_model(fp32):
-    coordinator, model_dir, ready, _ = fp32
+    coordinator, _model_dir, ready, _ = fp32
     store = coordinator.store
     assert ready.pid == coordinator.process.pid
     assert ready.sparse_layers == store.sparse_layers
@@ -392,8 +423,9 @@ def test_handshake_reports_the_dense_model(fp32):
 def test_greedy_generation_is_mlx_lm_token_for_token(fp32):
     coordinator, _, _, (want_tokens, want_lp, want_routes) = fp32
     coordinator.events.clear()
-    tokens, done = coordinator.run_job(Job(job_id=1, prompt_tokens=tuple(PROMPT), max_tokens=GENERATED,
-                                           return_logprobs=True))  # fmt: skip
+    tokens, done = coordinator.run_job(
+        Job(job_id=1, prompt_tokens=tuple(PROMPT), max_tokens=GENERATED, return_logprobs=True)
+    )
     assert isinstance(done, JobDone), done
     expected = _until_eos(want_tokens)
     assert [t.token for t in tokens] == expected and list(done.tokens) == expected
@@ -440,7 +472,7 @@ def _forward_passes(events: list[tuple]) -> list[list[tuple]]:
 
 
 def test_text_prompt_is_raw_text_and_streams_text(fp32):
-    coordinator, model_dir, _, (want_tokens, _, _) = fp32
+    coordinator, _model_dir, _, (want_tokens, _, _) = fp32
     text = bytes(PROMPT).decode()
     tokens, done = coordinator.run_job(Job(job_id=2, prompt=text, max_tokens=GENERATED))
     assert isinstance(done, JobDone), done
@@ -490,9 +522,11 @@ def test_a_refused_piggyback_is_settled_by_a_fence(fp32):
 
 def test_jobs_queue_and_a_queued_job_can_be_cancelled(fp32):
     coordinator, _, _, (want_tokens, _, _) = fp32
-    for job in (Job(job_id=17, prompt_tokens=tuple(PROMPT), max_tokens=3),
-                Job(job_id=18, prompt_tokens=tuple(PROMPT), max_tokens=3),
-                Job(job_id=19, prompt_tokens=tuple(PROMPT), max_tokens=3)):  # fmt: skip
+    for job in (
+        Job(job_id=17, prompt_tokens=tuple(PROMPT), max_tokens=3),
+        Job(job_id=18, prompt_tokens=tuple(PROMPT), max_tokens=3),
+        Job(job_id=19, prompt_tokens=tuple(PROMPT), max_tokens=3),
+    ):
         coordinator.send(job)
     coordinator.send(JobCancel(job_id=18))  # still queued behind 17
     results = coordinator.serve_until([17, 18, 19])
@@ -519,8 +553,7 @@ def test_cancel_between_tokens(fp32):
         if token.index == 0:
             coordinator.send(JobCancel(job_id=20))  # arrives while the worker waits for leases
 
-    tokens, done = coordinator.run_job(Job(job_id=20, prompt_tokens=tuple(PROMPT), max_tokens=40),
-                                       on_token=cancel)  # fmt: skip
+    tokens, done = coordinator.run_job(Job(job_id=20, prompt_tokens=tuple(PROMPT), max_tokens=40), on_token=cancel)
     assert isinstance(done, JobDone) and done.finish_reason == "cancelled", done
     assert 1 <= len(tokens) < 40 and list(done.tokens) == [t.token for t in tokens]
     assert list(done.tokens) == want_tokens[: len(tokens)]
@@ -555,10 +588,9 @@ def test_malformed_frames_get_error_replies_and_the_worker_serves_on(fp32):
 
 
 def test_quantized_family_is_token_exact(q4, tmp_path):
-    coordinator, model_dir, ready = q4
+    coordinator, model_dir, _ready = q4
     want_tokens, want_lp, _ = _oracle(model_dir, PROMPT, 6)
-    tokens, done = coordinator.run_job(Job(job_id=40, prompt_tokens=tuple(PROMPT), max_tokens=6,
-                                           return_logprobs=True))  # fmt: skip
+    tokens, done = coordinator.run_job(Job(job_id=40, prompt_tokens=tuple(PROMPT), max_tokens=6, return_logprobs=True))
     assert isinstance(done, JobDone), done
     assert list(done.tokens) == _until_eos(want_tokens)
     for token, lp in zip(tokens, want_lp):
@@ -592,10 +624,22 @@ def _bare_worker(tmp_path: Path, *extra: str, pass_fds=()) -> subprocess.Popen:
     model_dir = tmp_path / "no-model-needed"
     model_dir.mkdir()
     return subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "--model", str(model_dir), "--endpoint", f"ipc://{tmp_path}/none.sock",
-         *extra],
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=pass_fds,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gpuworker",
+            "--model",
+            str(model_dir),
+            "--endpoint",
+            f"ipc://{tmp_path}/none.sock",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=pass_fds,
+    )
 
 
 def test_no_welcome_exits_nonzero_with_a_clear_line(tmp_path):
@@ -622,15 +666,20 @@ def test_setup_failure_is_reported_to_the_coordinator(tmp_path):
     sock.setsockopt(zmq.LINGER, 0)
     endpoint = f"ipc://{tmp_path}/gpu.sock"
     sock.bind(endpoint)
-    process = subprocess.Popen([sys.executable, "-m", "gpuworker", "--model", str(model_dir), "--endpoint", endpoint],
-                               cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuworker", "--model", str(model_dir), "--endpoint", endpoint],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert sock.poll(30_000)
         identity, frame = sock.recv_multipart()
         assert isinstance(decode(frame, COORDINATOR_ACCEPTS_FROM_GPU), GpuHello)
-        welcome = GpuWelcome(slab_name="/moeslab-000000000000", total_slots=4, slot_bytes=16384,
-                             working_slots=2, block_size=4096)  # no such segment
+        welcome = GpuWelcome(
+            slab_name="/moeslab-000000000000", total_slots=4, slot_bytes=16384, working_slots=2, block_size=4096
+        )  # no such segment
         sock.send_multipart([identity, encode(welcome)])
         assert sock.poll(30_000)
         _, frame = sock.recv_multipart()

@@ -52,9 +52,17 @@ class Coordinator:
         manifest = tmp_path / "manifest.json"
         manifest.write_text(json.dumps([str(p) for p in files]))
         self.death_r, self.death_w = os.pipe()
-        config = WorkerConfig(index=0, endpoint=self.endpoint, manifest=str(manifest), slab_name=slab.name,
-                              total_slots=slab.total_slots, slot_bytes=slab.slot_bytes, death_fd=self.death_r,
-                              handshake_timeout=5.0, **options)  # fmt: skip
+        config = WorkerConfig(
+            index=0,
+            endpoint=self.endpoint,
+            manifest=str(manifest),
+            slab_name=slab.name,
+            total_slots=slab.total_slots,
+            slot_bytes=slab.slot_bytes,
+            death_fd=self.death_r,
+            handshake_timeout=5.0,
+            **options,
+        )
         self.worker = spawn_io_worker(config)
         os.close(self.death_r)
         self.identity = b""
@@ -149,8 +157,11 @@ def good_load(slot: int, generation: int) -> Load:
 def test_loads_land_exactly_and_telemetry_counts(coordinator, files, slab):
     coord = coordinator()
     _, blobs = files
-    segments = (ExpertIOSegment(0, 12345, 20000, 12345 % 4096), ExpertIOSegment(1, 77, 5, 40960 + 77),
-                ExpertIOSegment(1, FILE_SIZE - 3, 3, 50000 - 50000 % 4096 + (FILE_SIZE - 3) % 4096))  # fmt: skip
+    segments = (
+        ExpertIOSegment(0, 12345, 20000, 12345 % 4096),
+        ExpertIOSegment(1, 77, 5, 40960 + 77),
+        ExpertIOSegment(1, FILE_SIZE - 3, 3, 50000 - 50000 % 4096 + (FILE_SIZE - 3) % 4096),
+    )
     coord.send(Load(slot=2, generation=5, segments=segments))
     reply = coord.expect(Loaded)
     assert (reply.slot, reply.generation, reply.ok, reply.bytes) == (2, 5, True, 20008)
@@ -192,13 +203,16 @@ def test_staging_lands_the_same_bytes_and_telemetry_says_what_ran(coordinator, f
         assert not telemetry.staging and telemetry.staged_reads == 0 and telemetry.staging_bytes == 0
 
 
-@pytest.mark.parametrize(("frame", "code", "fragment"), [
-    (b"\x93garbage", "bad_frame", "not msgpack"),
-    (msgpack.packb([1, 2, 3]), "bad_message", "must be a map"),
-    (msgpack.packb({"op": "format_disk"}), "unknown_op", "format_disk"),
-    (msgpack.packb({"op": "cancel", "slot": "x", "generation": 1}), "bad_field", "'x'"),
-    (encode(Hint(segments=(ExpertIOHintSegment(9, 0, 10),))), "bad_request", "file index 9"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("frame", "code", "fragment"),
+    [
+        (b"\x93garbage", "bad_frame", "not msgpack"),
+        (msgpack.packb([1, 2, 3]), "bad_message", "must be a map"),
+        (msgpack.packb({"op": "format_disk"}), "unknown_op", "format_disk"),
+        (msgpack.packb({"op": "cancel", "slot": "x", "generation": 1}), "bad_field", "'x'"),
+        (encode(Hint(segments=(ExpertIOHintSegment(9, 0, 10),))), "bad_request", "file index 9"),
+    ],
+)
 def test_bad_frames_get_an_error_and_the_worker_keeps_serving(coordinator, frame, code, fragment):
     coord = coordinator()
     coord.send_raw(frame)
@@ -208,17 +222,20 @@ def test_bad_frames_get_an_error_and_the_worker_keeps_serving(coordinator, frame
     assert coord.expect(Loaded).ok
 
 
-@pytest.mark.parametrize(("segment", "slot", "fragment"), [
-    (ExpertIOSegment(2, 0, 10, 0), 0, "file index 2 is not in the manifest of 2 files"),
-    (ExpertIOSegment(0, 0, -5, 0), 0, "length -5 must be positive"),
-    (ExpertIOSegment(0, 0, 0, 0), 0, "length 0 must be positive"),
-    (ExpertIOSegment(0, -4096, 10, 0), 0, "offset -4096 is negative"),
-    (ExpertIOSegment(0, FILE_SIZE - 10, 11, 0), 0, f"[{FILE_SIZE - 10}, {FILE_SIZE + 1}) of file 0"),
-    (ExpertIOSegment(0, 0, 10, SLOT - 5), 0, f"destination [{SLOT - 5}, {SLOT + 5}) is outside the slot"),
-    (ExpertIOSegment(0, 0, 10, -4096), 0, "destination [-4096"),
-    (ExpertIOSegment(0, 0, 10, 0), 4, "slot 4 is outside the slab's 4 slots"),
-    (ExpertIOSegment(0, 1, 10, 2), 0, "not congruent"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("segment", "slot", "fragment"),
+    [
+        (ExpertIOSegment(2, 0, 10, 0), 0, "file index 2 is not in the manifest of 2 files"),
+        (ExpertIOSegment(0, 0, -5, 0), 0, "length -5 must be positive"),
+        (ExpertIOSegment(0, 0, 0, 0), 0, "length 0 must be positive"),
+        (ExpertIOSegment(0, -4096, 10, 0), 0, "offset -4096 is negative"),
+        (ExpertIOSegment(0, FILE_SIZE - 10, 11, 0), 0, f"[{FILE_SIZE - 10}, {FILE_SIZE + 1}) of file 0"),
+        (ExpertIOSegment(0, 0, 10, SLOT - 5), 0, f"destination [{SLOT - 5}, {SLOT + 5}) is outside the slot"),
+        (ExpertIOSegment(0, 0, 10, -4096), 0, "destination [-4096"),
+        (ExpertIOSegment(0, 0, 10, 0), 4, "slot 4 is outside the slab's 4 slots"),
+        (ExpertIOSegment(0, 1, 10, 2), 0, "not congruent"),
+    ],
+)
 def test_bad_loads_get_an_error_naming_the_value(coordinator, segment, slot, fragment):
     coord = coordinator()
     coord.send(Load(slot=slot, generation=3, segments=(segment,)))
@@ -339,8 +356,17 @@ def test_manifest_and_arguments_are_validated(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="non-empty JSON array"):
         load_manifest(bad)
-    config = WorkerConfig(index=2, endpoint="ipc:///x", manifest="/m.json", slab_name="/moeslab-0", total_slots=3,
-                          slot_bytes=SLOT, death_fd=7, test_read_delay_ms=5.0, staging="off")  # fmt: skip
+    config = WorkerConfig(
+        index=2,
+        endpoint="ipc:///x",
+        manifest="/m.json",
+        slab_name="/moeslab-0",
+        total_slots=3,
+        slot_bytes=SLOT,
+        death_fd=7,
+        test_read_delay_ms=5.0,
+        staging="off",
+    )
     assert parse_args(worker_arguments(config)) == config
     with pytest.raises(SystemExit):
         parse_args([*worker_arguments(config), "--block-size", "1000"])

@@ -89,13 +89,15 @@ def test_part_lanes_are_checked():
 def test_lane_counts_are_refused_everywhere(tmp_path, capsys):
     for bad in (0, MAX_LANES + 1, True):
         with pytest.raises(ValueError, match="compute_lanes"):
-            LeaseClient(None, store=None, buffer=None, total_slots=1, slot_bytes=1, working_slots=1,
-                        compute_lanes=bad)  # fmt: skip
+            LeaseClient(None, store=None, buffer=None, total_slots=1, slot_bytes=1, working_slots=1, compute_lanes=bad)
         with pytest.raises(ValueError, match="compute_lanes"):
             start_system(model_dir=tmp_path, memory_budget=1 << 30, compute_lanes=bad)
     config = GpuWorkerConfig(model=str(tmp_path), endpoint="ipc:///tmp/x", compute_lanes=3)
     assert parse_args(worker_arguments(config)) == config
-    assert parse_args(worker_arguments(GpuWorkerConfig(model=str(tmp_path), endpoint="ipc:///tmp/x"))).compute_lanes is None
+    assert (
+        parse_args(worker_arguments(GpuWorkerConfig(model=str(tmp_path), endpoint="ipc:///tmp/x"))).compute_lanes
+        is None
+    )
     for text in ("0", str(MAX_LANES + 1)):
         with pytest.raises(SystemExit):
             parse_args([*worker_arguments(config), "--compute-lanes", text])

@@ -40,13 +40,20 @@ def run_async(fn):
 
 
 def locate(layer: int, expert: int) -> ExpertResidencyLocation:
-    return ExpertResidencyLocation(layer, expert, (ExpertIOSegment(file=0, offset=(layer * 100 + expert) * 64,
-                                                                   length=64, destination=0),))  # fmt: skip
+    return ExpertResidencyLocation(
+        layer, expert, (ExpertIOSegment(file=0, offset=(layer * 100 + expert) * 64, length=64, destination=0),)
+    )
 
 
 def make(*, working=2, per_layer=1, backend=None, usage=None):
-    plan = plan_expert_residency(budget_bytes=10**9, fixed_bytes=0, slot_bytes=1, sparse_layers=len(LAYERS),
-                                 working_slots=working, max_slots_per_layer=per_layer)  # fmt: skip
+    plan = plan_expert_residency(
+        budget_bytes=10**9,
+        fixed_bytes=0,
+        slot_bytes=1,
+        sparse_layers=len(LAYERS),
+        working_slots=working,
+        max_slots_per_layer=per_layer,
+    )
     backend = backend if backend is not None else InMemoryBackend(plan.total_slots)
     manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=LAYERS, backend=backend, locate=locate, usage=usage)
     return LeaseService(manager=manager, experts_per_layer=EXPERTS), manager, backend
@@ -159,16 +166,20 @@ async def test_refusals_leave_state_unchanged(tmp_path):
     lease = await service.handle(routes(1, [[0, 1], [2, 3]]))  # two waves
     assert lease.waves == 2
     await refused(routes(3, [[0, 1]]), f"while lease {lease.lease_id}", "still held")
-    await refused(routes(3, [[0, 1]], fence=lease.lease_id + 5), f"fence of lease {lease.lease_id + 5}",
-                  f"the held lease is {lease.lease_id}")  # fmt: skip
+    await refused(
+        routes(3, [[0, 1]], fence=lease.lease_id + 5),
+        f"fence of lease {lease.lease_id + 5}",
+        f"the held lease is {lease.lease_id}",
+    )
     await refused(Fence(lease_id=lease.lease_id + 1), f"fence of lease {lease.lease_id + 1}")
     await refused(routes(1, [[9, 0]], fence=lease.lease_id), "names expert 9")
     await refused(routes(0, [[0]], fence=lease.lease_id), "layer 0", "not a sparse layer")
 
     second = await service.handle(Fence(lease_id=lease.lease_id, next=True))
     assert second.wave == 1
-    await refused(Fence(lease_id=lease.lease_id), f"fence of lease {lease.lease_id}",
-                  f"the held lease is {second.lease_id}")  # fmt: skip
+    await refused(
+        Fence(lease_id=lease.lease_id), f"fence of lease {lease.lease_id}", f"the held lease is {second.lease_id}"
+    )
     await refused(Fence(lease_id=second.lease_id, next=True), "is the last of 2")
     assert await service.handle(Fence(lease_id=second.lease_id)) == Fenced(lease_id=second.lease_id)
     # already released
@@ -210,7 +221,7 @@ async def test_lost_worker_lease_is_released_on_its_behalf():
 
 @run_async
 async def test_job_stats():
-    service, manager, _ = make(working=2, per_layer=1)
+    service, _manager, _ = make(working=2, per_layer=1)
     service.begin_job()
     held = None
     for step in range(4):  # decode-like: one row, alternating experts of layer 1
@@ -270,8 +281,9 @@ def slot_bytes(slab: Slab, slot: int) -> bytes:
 
 @pytest.fixture
 def slab():
-    plan = plan_expert_residency(budget_bytes=10**9, fixed_bytes=0, slot_bytes=1, sparse_layers=2,
-                                 working_slots=2, max_slots_per_layer=1)  # fmt: skip
+    plan = plan_expert_residency(
+        budget_bytes=10**9, fixed_bytes=0, slot_bytes=1, sparse_layers=2, working_slots=2, max_slots_per_layer=1
+    )
     with Slab.create(total_slots=plan.total_slots, slot_bytes=16384) as created:
         yield created
 
@@ -280,7 +292,7 @@ def slab():
 async def test_scribble_and_verify_hooks(slab):
     hooked = wrap_backend(SlabBackend(slab), ("scribble_fenced", "verify_fenced"), slab=slab)
     assert isinstance(hooked, HookedBackend)
-    service, manager, _ = make(backend=hooked)
+    service, _manager, _ = make(backend=hooked)
     lease = await service.handle(routes(1, [[0, 1]]))
     real = {slot: slot_bytes(slab, slot) for slot in lease.slots}
     await service.handle(Fence(lease_id=lease.lease_id))
@@ -290,7 +302,11 @@ async def test_scribble_and_verify_hooks(slab):
     # expert 0 or 1 stayed resident in layer 1's slot: leasing it again restores its bytes
     again = await service.handle(routes(1, [[1, 0]]))
     assert again.hits == 1
-    kept = [(slot, gen) for slot, gen in zip(again.slots, again.generations) if (slot, gen) in set(zip(lease.slots, lease.generations))]
+    kept = [
+        (slot, gen)
+        for slot, gen in zip(again.slots, again.generations)
+        if (slot, gen) in set(zip(lease.slots, lease.generations))
+    ]
     assert len(kept) == 1
     assert slot_bytes(slab, kept[0][0]) == real[kept[0][0]]
     assert hooked.restores == 1

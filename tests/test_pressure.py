@@ -52,8 +52,15 @@ def test_the_footprint_is_dense_plus_slab_plus_growth_plus_offset():
     with Slab.create(total_slots=4, slot_bytes=SLOT) as slab:
         private = {1: 100_000, 2: 50_000}
         pids, clock = [1, 2], _Clock()
-        meter = FootprintMeter(slab=slab, pids=lambda: pids, dense_bytes=lambda: 30_000, interval_s=0.1,
-                               offset=7, read=lambda pid: private[pid], clock=clock)  # fmt: skip
+        meter = FootprintMeter(
+            slab=slab,
+            pids=lambda: pids,
+            dense_bytes=lambda: 30_000,
+            interval_s=0.1,
+            offset=7,
+            read=lambda pid: private[pid],
+            clock=clock,
+        )
         assert meter.sample(force=True) and meter.footprint() == 30_000 + 0 + 0 + 7
         assert meter.overhead() == 150_000 - 30_000  # the processes at start, less the dense weights
         view = slab.slot_view(2)
@@ -100,14 +107,17 @@ def test_pressure_correction_evicts_frees_the_pages_and_reports_what_it_cannot_f
             inner = InMemoryBackend(slab.total_slots, slot_bytes=SLOT)
             timer = LoadTimer()
             offset = [0]
-            meter = FootprintMeter(slab=slab, pids=lambda: [], dense_bytes=lambda: 0, interval_s=0.0,
-                                   read=lambda pid: 0)  # fmt: skip
+            meter = FootprintMeter(
+                slab=slab, pids=lambda: [], dense_bytes=lambda: 0, interval_s=0.0, read=lambda pid: 0
+            )
             backend = MeteredBackend(inner, slab=slab, timer=timer, footprint=lambda: meter.footprint() + offset[0])
-            plan = plan_expert_residency(budget_bytes=10 * SLOT, fixed_bytes=0, slot_bytes=SLOT, sparse_layers=2,
-                                         working_slots=2)  # fmt: skip
+            plan = plan_expert_residency(
+                budget_bytes=10 * SLOT, fixed_bytes=0, slot_bytes=SLOT, sparse_layers=2, working_slots=2
+            )
             manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=[0, 1], backend=backend, locate=_locate)
-            points = SafePoints(manager=manager, backend=backend, meter=meter, ledger=None, tolerance=0,
-                                flush_interval_s=1.0)  # fmt: skip
+            points = SafePoints(
+                manager=manager, backend=backend, meter=meter, ledger=None, tolerance=0, flush_interval_s=1.0
+            )
             for layer in (0, 1):
                 for pair in ((0, 1), (2, 3), (4, 5)):
                     lease = await manager.acquire_block(layer, pair)
@@ -141,8 +151,13 @@ def test_pressure_correction_evicts_frees_the_pages_and_reports_what_it_cannot_f
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     # 4 sparse layers x 48 experts of 400 KB: 78 MB of experts, a few times any budget below.
-    return write_tiny_model(tmp_path_factory.mktemp("pressure"), family="qwen3_moe", num_hidden_layers=4,
-                            num_experts=48, moe_intermediate_size=512)  # fmt: skip
+    return write_tiny_model(
+        tmp_path_factory.mktemp("pressure"),
+        family="qwen3_moe",
+        num_hidden_layers=4,
+        num_experts=48,
+        moe_intermediate_size=512,
+    )
 
 
 def _budget(store: ExpertStore, per_layer: int) -> int:
@@ -170,8 +185,13 @@ def test_a_model_with_experts_4x_the_budget_stays_within_it(calibration, record_
     assert probe.samples > 10 and probe.peak <= budget, (probe.peak, budget)
     assert stats.peak_footprint_bytes <= budget and stats.budget_bytes == budget
     assert calibration["slab"] <= calibration["store"].slot_bytes * (2 + 4 * 2)  # the plan's slab, no more
-    figures = dict(experts=calibration["experts"], budget=budget, probe_peak=probe.peak,
-                   coordinator_peak=stats.peak_footprint_bytes, overhead=stats.overhead_bytes)
+    figures = dict(
+        experts=calibration["experts"],
+        budget=budget,
+        probe_peak=probe.peak,
+        coordinator_peak=stats.peak_footprint_bytes,
+        overhead=stats.overhead_bytes,
+    )
     record_property("figures", figures)
     log.info("footprint figures: %s", figures)
 
@@ -185,16 +205,23 @@ def test_pressure_above_the_budget_is_corrected_by_evicting(model, calibration, 
     full = store.dense_bytes + growth + (store.top_k + len(store.sparse_layers) * per_layer) * store.slot_bytes
     evictable = len(store.sparse_layers) * (per_layer - 1) * store.slot_bytes
     offset = max(0, budget - full) + evictable // 2  # half of what can be evicted must go
-    with start(model, memory_budget=budget, kv_reserve_bytes=KV_RESERVE,
-               config=dict(STRICT, test_footprint_offset_bytes=offset)) as system:  # fmt: skip
+    with start(
+        model,
+        memory_budget=budget,
+        kv_reserve_bytes=KV_RESERVE,
+        config=dict(STRICT, test_footprint_offset_bytes=offset),
+    ) as system:
         result = run_job(system, max_tokens=32, return_logprobs=False)
         with Client(system.endpoint, timeout=30) as client:
             total = client.stats().stats
     stats = result.done.stats
     assert result.done.finish_reason in ("length", "stop") and stats.pressure_evictions > 0
     assert total.footprint_bytes <= budget + store.slot_bytes, (total.footprint_bytes, budget)
-    evictions = [re.search(r"evicted (\d+) resident experts \(layer:expert@slot\) (\S+)", r.getMessage())
-                 for r in caplog.records if "memory pressure: footprint" in r.getMessage()]  # fmt: skip
+    evictions = [
+        re.search(r"evicted (\d+) resident experts \(layer:expert@slot\) (\S+)", r.getMessage())
+        for r in caplog.records
+        if "memory pressure: footprint" in r.getMessage()
+    ]
     evicted = sum(int(match.group(1)) for match in evictions if match)
     assert evicted == total.pressure_evictions > 0 and evicted < evictable // store.slot_bytes
     figures = dict(budget=budget, offset=offset, pressure_evictions=total.pressure_evictions)
@@ -205,14 +232,20 @@ def test_pressure_above_the_budget_is_corrected_by_evicting(model, calibration, 
 def test_pressure_that_cannot_be_corrected_fails_the_job(model, calibration):
     store = calibration["store"]
     budget = _budget(store, per_layer=2)
-    with start(model, memory_budget=budget, kv_reserve_bytes=KV_RESERVE,
-               config=dict(STRICT, test_footprint_offset_bytes=budget)) as system:  # fmt: skip
-        with Client(system.endpoint, timeout=30) as client:
-            for _ in range(2):  # every job fails the same way; the system keeps serving
-                with pytest.raises(JobError) as caught:
-                    client.generate(prompt_tokens=list(PROMPT), max_tokens=10_000).result()
-                assert caught.value.code == "memory_pressure"
-                assert f"exceeds the memory budget {budget} bytes" in caught.value.message
-                assert re.search(r"the physical footprint \d+ bytes", caught.value.message)
-            stats = client.stats()
-            assert stats.running is None and stats.jobs_failed == 2 and client.health().ready
+    with (
+        start(
+            model,
+            memory_budget=budget,
+            kv_reserve_bytes=KV_RESERVE,
+            config=dict(STRICT, test_footprint_offset_bytes=budget),
+        ) as system,
+        Client(system.endpoint, timeout=30) as client,
+    ):
+        for _ in range(2):  # every job fails the same way; the system keeps serving
+            with pytest.raises(JobError) as caught:
+                client.generate(prompt_tokens=list(PROMPT), max_tokens=10_000).result()
+            assert caught.value.code == "memory_pressure"
+            assert f"exceeds the memory budget {budget} bytes" in caught.value.message
+            assert re.search(r"the physical footprint \d+ bytes", caught.value.message)
+        stats = client.stats()
+        assert stats.running is None and stats.jobs_failed == 2 and client.health().ready

@@ -69,24 +69,27 @@ def _frame(**fields) -> bytes:
     return msgpack.packb(fields)
 
 
-@pytest.mark.parametrize(("frame", "code", "fragment"), [
-    (b"\xc1", "bad_frame", "not msgpack"),
-    (msgpack.packb({"op": "load"}) + b"\x00", "bad_frame", "not msgpack"),
-    (msgpack.packb([1, 2]), "bad_message", "must be a map"),
-    (msgpack.packb({"slot": 1}), "bad_message", "string 'op'"),
-    (msgpack.packb({"op": 5}), "bad_message", "string 'op'"),
-    (_frame(op="explode"), "unknown_op", "'explode'"),
-    (_frame(op="cancel", slot=1), "bad_field", "missing field 'generation'"),
-    (_frame(op="cancel", slot=1, generation=2, extra=3), "bad_field", "unknown field(s) ['extra']"),
-    (_frame(op="cancel", slot=-1, generation=2), "bad_field", "cancel.slot must be >= 0, got -1"),
-    (_frame(op="cancel", slot=True, generation=2), "bad_field", "must be an integer, got True"),
-    (_frame(op="cancel", slot="1", generation=2), "bad_field", "must be an integer, got '1'"),
-    (_frame(op="load", slot=1, generation=2, segments=[[1, 2, 3]]), "bad_field", "segments[0]"),
-    (_frame(op="load", slot=1, generation=2, segments=[[1, 2, 3, 4.5]]), "bad_field", "segments[0]"),
-    (_frame(op="load", slot=1, generation=2, segments={"a": 1}), "bad_field", "must be an array"),
-    (_frame(op="load", slot=1, generation=2, segments=[[0, 0, 1, 0]] * (MAX_SEGMENTS + 1)), "bad_field", "at most"),
-    (_frame(op="hint", segments=[[0, 0]]), "bad_field", "segments[0]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("frame", "code", "fragment"),
+    [
+        (b"\xc1", "bad_frame", "not msgpack"),
+        (msgpack.packb({"op": "load"}) + b"\x00", "bad_frame", "not msgpack"),
+        (msgpack.packb([1, 2]), "bad_message", "must be a map"),
+        (msgpack.packb({"slot": 1}), "bad_message", "string 'op'"),
+        (msgpack.packb({"op": 5}), "bad_message", "string 'op'"),
+        (_frame(op="explode"), "unknown_op", "'explode'"),
+        (_frame(op="cancel", slot=1), "bad_field", "missing field 'generation'"),
+        (_frame(op="cancel", slot=1, generation=2, extra=3), "bad_field", "unknown field(s) ['extra']"),
+        (_frame(op="cancel", slot=-1, generation=2), "bad_field", "cancel.slot must be >= 0, got -1"),
+        (_frame(op="cancel", slot=True, generation=2), "bad_field", "must be an integer, got True"),
+        (_frame(op="cancel", slot="1", generation=2), "bad_field", "must be an integer, got '1'"),
+        (_frame(op="load", slot=1, generation=2, segments=[[1, 2, 3]]), "bad_field", "segments[0]"),
+        (_frame(op="load", slot=1, generation=2, segments=[[1, 2, 3, 4.5]]), "bad_field", "segments[0]"),
+        (_frame(op="load", slot=1, generation=2, segments={"a": 1}), "bad_field", "must be an array"),
+        (_frame(op="load", slot=1, generation=2, segments=[[0, 0, 1, 0]] * (MAX_SEGMENTS + 1)), "bad_field", "at most"),
+        (_frame(op="hint", segments=[[0, 0]]), "bad_field", "segments[0]"),
+    ],
+)
 def test_bad_frames_are_refused_with_a_code(frame, code, fragment):
     with pytest.raises(ProtocolError) as caught:
         decode(frame, WORKER_COMMANDS)
@@ -132,17 +135,21 @@ def test_error_frame_and_registry_machinery():
     registry = make_registry(Ping)
     assert decode(encode(Ping(count=-3, tags=("ab",))), registry) == Ping(count=-3, tags=("ab",))
     assert decode(_frame(op="ping"), registry) == Ping()
-    for fields, fragment in ((dict(count=4), "<= 3"), (dict(count=-4), ">= -3"), (dict(tags=["a"] * 3), "at most 2"),
-                             (dict(tags=["abcde"]), "at most 4")):  # fmt: skip
+    for fields, fragment in (
+        (dict(count=4), "<= 3"),
+        (dict(count=-4), ">= -3"),
+        (dict(tags=["a"] * 3), "at most 2"),
+        (dict(tags=["abcde"]), "at most 4"),
+    ):
         with pytest.raises(ProtocolError, match=fragment):
             decode(_frame(op="ping", **fields), registry)
     with pytest.raises(ValueError, match="duplicate op"):
         make_registry(Ping, Ping)
 
 
-segments = st.lists(
-    st.builds(ExpertIOSegment, *(st.integers(-(2**62), 2**62) for _ in range(4))), max_size=20
-).map(tuple)
+segments = st.lists(st.builds(ExpertIOSegment, *(st.integers(-(2**62), 2**62) for _ in range(4))), max_size=20).map(
+    tuple
+)
 
 
 @given(slot=st.integers(0, 2**31), generation=st.integers(0, 2**63), segments=segments)

@@ -71,9 +71,7 @@ def test_belady_hand_worked_example():
     assert replay.simulate_belady([[1], [2], [1]], capacity=1) == [0, 0, 1]
 
 
-visits = st.lists(
-    st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), min_size=1, max_size=9
-)
+visits = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), min_size=1, max_size=9)
 
 
 @settings(max_examples=250, deadline=None)
@@ -140,7 +138,9 @@ manager_required = pytest.mark.skipif(
 def test_ours_without_pins_is_plain_lru_when_a_visit_fits():
     trace = generate_trace(layers=3, experts=24, top_k=4, tokens=300, overlap=0.4, seed=11)
     for slots in (4, 6, 10):
-        results = replay.replay(trace, replay.Capacity(slots_per_layer=slots, working_slots=4, pins=(), pins_source="none"))
+        results = replay.replay(
+            trace, replay.Capacity(slots_per_layer=slots, working_slots=4, pins=(), pins_source="none")
+        )
         assert results["ours"].hits == results["lru"].hits
         assert results["ours"].extra["manager"]["hits"] == sum(results["ours"].hits.values())
 
@@ -150,11 +150,20 @@ def test_ours_without_pins_is_plain_lru_when_a_visit_fits():
 def test_ours_and_lru_never_beat_belady(seed):
     rng = np.random.default_rng(seed)
     top_k = int(rng.integers(2, 5))
-    trace = generate_trace(layers=3, experts=int(rng.integers(2 * top_k, 20)), top_k=top_k, tokens=120,
-                           overlap=float(rng.random()), zipf=float(rng.random() * 2), seed=seed)
+    trace = generate_trace(
+        layers=3,
+        experts=int(rng.integers(2 * top_k, 20)),
+        top_k=top_k,
+        tokens=120,
+        overlap=float(rng.random()),
+        zipf=float(rng.random() * 2),
+        seed=seed,
+    )
     for slots in (1, 2, top_k, 2 * top_k):
         pins, source = replay.choose_pins(trace, count=int(rng.integers(0, 5)), usage_file=None)
-        results = replay.replay(trace, replay.Capacity(slots_per_layer=slots, working_slots=top_k + 1, pins=pins, pins_source=source))
+        results = replay.replay(
+            trace, replay.Capacity(slots_per_layer=slots, working_slots=top_k + 1, pins=pins, pins_source=source)
+        )
         belady = results["belady"]
         for name in ("ours", "lru"):
             for layer, hits in results[name].hits.items():
@@ -182,8 +191,13 @@ def test_replay_refuses_a_working_bank_smaller_than_a_visit():
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "replay.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "replay.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -243,4 +257,4 @@ def test_cli_plot_writes_png(small_trace, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sweep = json.loads(done.stdout.strip().splitlines()[-1])["sweep"]
     assert sweep["slots_per_layer"] == [1, 4, 8]
-    assert all(o <= b and l <= b for o, l, b in zip(sweep["ours"], sweep["lru"], sweep["belady"]))
+    assert all(o <= b and lru <= b for o, lru, b in zip(sweep["ours"], sweep["lru"], sweep["belady"]))

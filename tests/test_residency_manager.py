@@ -14,15 +14,15 @@ import functools
 import numpy as np
 import pytest
 
-from coordinator.memory_backend import BackendProtocolError, InMemoryBackend, LoadCancelledError
+from coordinator.memory_backend import BackendProtocolError, InMemoryBackend
 from coordinator.residency import (
     ExpertBatchLease,
     ExpertIOHintSegment,
     ExpertIOSegment,
+    ExpertRepinEvent,
     ExpertResidencyLeaseEntry,
     ExpertResidencyLocation,
     ExpertResidencyManager,
-    ExpertRepinEvent,
     ResidencyError,
     ResidencyPressureError,
     StaleLeaseError,
@@ -88,12 +88,20 @@ def make(
     assert plan.slots_per_layer == per_layer
     if backend is None:
         backend = InMemoryBackend(
-            plan.total_slots, slot_bytes=backend_slot_bytes, manual=manual,
-            hint_capacity=hint_capacity, record_history=record_history,
+            plan.total_slots,
+            slot_bytes=backend_slot_bytes,
+            manual=manual,
+            hint_capacity=hint_capacity,
+            record_history=record_history,
         )
     manager = ExpertResidencyManager(
-        plan=plan, sparse_layer_ids=list(layers), backend=backend, locate=locator,
-        pinned=list(pins), usage=usage, route_observer=observer,
+        plan=plan,
+        sparse_layer_ids=list(layers),
+        backend=backend,
+        locate=locator,
+        pinned=list(pins),
+        usage=usage,
+        route_observer=observer,
     )
     return manager, backend
 
@@ -121,7 +129,7 @@ def entry_summary(lease):
 
 
 def test_initial_layout_and_snapshot() -> None:
-    manager, backend = make(layers=(3, 1), working=2, per_layer=2, pins=((1, 4),))
+    manager, _backend = make(layers=(3, 1), working=2, per_layer=2, pins=((1, 4),))
     assert manager.sparse_layer_ids == (3, 1)
     assert manager.pinned == ((1, 4),)
     assert manager.active is False
@@ -135,7 +143,9 @@ def test_initial_layout_and_snapshot() -> None:
 
 
 def test_constructor_validation() -> None:
-    plan = plan_expert_residency(budget_bytes=6, fixed_bytes=0, slot_bytes=1, sparse_layers=2, working_slots=1, pinned_experts=1)
+    plan = plan_expert_residency(
+        budget_bytes=6, fixed_bytes=0, slot_bytes=1, sparse_layers=2, working_slots=1, pinned_experts=1
+    )
     assert plan.total_slots == 6  # 1 working + 1 pinned + 2 x 2
     backend = InMemoryBackend(plan.total_slots)
 
@@ -172,10 +182,17 @@ def test_constructor_validation() -> None:
 
 
 def test_duplicate_pins_refused() -> None:
-    plan = plan_expert_residency(budget_bytes=5, fixed_bytes=0, slot_bytes=1, sparse_layers=1, working_slots=1, pinned_experts=2)
+    plan = plan_expert_residency(
+        budget_bytes=5, fixed_bytes=0, slot_bytes=1, sparse_layers=1, working_slots=1, pinned_experts=2
+    )
     with pytest.raises(ValueError, match=r"^duplicate pinned expert 0:3$"):
-        ExpertResidencyManager(plan=plan, sparse_layer_ids=[0], backend=InMemoryBackend(plan.total_slots),
-                               locate=locate, pinned=[(0, 3), (0, 3)])
+        ExpertResidencyManager(
+            plan=plan,
+            sparse_layer_ids=[0],
+            backend=InMemoryBackend(plan.total_slots),
+            locate=locate,
+            pinned=[(0, 3), (0, 3)],
+        )
 
 
 # -- acquire: the happy paths --------------------------------------------------
@@ -202,7 +219,7 @@ async def test_first_acquire_loads_misses_into_the_working_bank_in_request_order
 
 @run_async
 async def test_hits_and_misses_entries_follow_the_request_order() -> None:
-    manager, backend = make(working=4, per_layer=3)
+    manager, _backend = make(working=4, per_layer=3)
     await wave(manager, 0, [4, 6])
     lease = await manager.acquire_block(0, [9, 6, 1, 4])
     assert [(e.expert_id, e.hit) for e in lease.entries] == [(9, False), (6, True), (1, False), (4, True)]
@@ -255,6 +272,7 @@ async def test_before_miss_submit_sees_exactly_the_leased_hits(asynchronous: boo
         )
 
     if asynchronous:
+
         async def callback(hits):
             await asyncio.sleep(0)
             observe(hits)
@@ -273,7 +291,7 @@ async def test_before_miss_submit_sees_exactly_the_leased_hits(asynchronous: boo
 
 @run_async
 async def test_before_miss_submit_called_even_with_no_misses() -> None:
-    manager, backend = make()
+    manager, _backend = make()
     await wave(manager, 0, [1])
     seen = []
     lease = await manager.acquire_block(0, [1], seen.append)
@@ -346,7 +364,7 @@ async def test_miss_discarded_when_the_only_layer_slot_is_a_hit_in_the_wave() ->
 
 @run_async
 async def test_layers_are_independent() -> None:
-    manager, backend = make(layers=(2, 5), working=2, per_layer=1)
+    manager, _backend = make(layers=(2, 5), working=2, per_layer=1)
     await wave(manager, 2, [1])
     await wave(manager, 5, [1])
     assert set(resident(manager)) == {(2, 1), (5, 1)}
@@ -358,7 +376,7 @@ async def test_layers_are_independent() -> None:
 @run_async
 async def test_pinned_expert_promoted_into_an_idle_pinned_slot() -> None:
     # Slots: 0, 1 working; 2, 3 layer 0; 4 pinned.
-    manager, backend = make(working=2, per_layer=2, pins=((0, 7),))
+    manager, _backend = make(working=2, per_layer=2, pins=((0, 7),))
     lease = await wave(manager, 0, [7, 1])
     assert resident(manager) == {(0, 7): (0, "pinned"), (0, 1): (1, "resident")}
     snap = manager.snapshot()
@@ -392,7 +410,7 @@ async def test_pinned_expert_without_an_idle_pinned_slot_falls_back_to_the_layer
 @run_async
 async def test_victim_order_idle_first_then_least_recent_then_lowest_id() -> None:
     # 1 working, 2 slots in layer 0, 2 pins. Slots: 0 working, 1-2 layer, 3-4 pinned.
-    manager, backend = make(working=1, per_layer=2, pins=((0, 7), (0, 8)))
+    manager, _backend = make(working=1, per_layer=2, pins=((0, 7), (0, 8)))
     await manager.preload_pinned()
     assert resident(manager) == {(0, 7): (0, "pinned"), (0, 8): (3, "pinned")}
     # Demote 7 for 5: 5 loads into working slot 4, takes the idle layer slot 1.
@@ -413,7 +431,7 @@ async def test_victim_order_idle_first_then_least_recent_then_lowest_id() -> Non
 
 @run_async
 async def test_victim_tie_on_last_use_goes_to_the_lowest_slot_id() -> None:
-    manager, backend = make(working=1, per_layer=2, pins=((0, 7), (0, 8)))
+    manager, _backend = make(working=1, per_layer=2, pins=((0, 7), (0, 8)))
     await manager.preload_pinned()
     await manager.apply_repin(ExpertLfruCandidate(0, 0, 7, 5, 0, 2000, 7))
     await manager.apply_repin(ExpertLfruCandidate(0, 0, 8, 6, 0, 2000, 7))
@@ -493,7 +511,7 @@ async def test_concurrent_wave_refused_while_a_lease_is_held() -> None:
 
 @run_async
 async def test_concurrent_wave_refused_while_an_acquire_is_in_flight() -> None:
-    manager, backend = make()
+    manager, _backend = make()
     await wave(manager, 0, [1])
     gate = asyncio.Event()
 
@@ -650,7 +668,7 @@ async def test_locator_returning_the_wrong_expert_is_refused() -> None:
     with pytest.raises(ResidencyError, match=r"^expert locator returned 0:5 for 0:4$"):
         await manager.acquire_block(0, [4])
     assert backend.counters.submits == 0 and not manager.active
-    manager2, backend2 = make(locator=lambda layer, expert: locate(layer + 1, expert))
+    manager2, _backend2 = make(locator=lambda layer, expert: locate(layer + 1, expert))
     with pytest.raises(ResidencyError, match="returned 1:4 for 0:4"):
         await manager2.acquire_block(0, [4])
     assert manager2.snapshot().generation == 0
@@ -742,7 +760,7 @@ async def test_second_cancellation_during_cleanup_does_not_wedge_the_manager() -
         backend.complete(slot, generation)  # the worker finally acknowledges
     done, _ = await asyncio.wait({task}, timeout=5)
     assert done == {task}
-    with pytest.raises(BaseException):  # CancelledError, or a group holding it
+    with pytest.raises(BaseException):  # noqa: B017 - CancelledError, or a group holding it
         task.result()
     for _ in range(5):
         await asyncio.sleep(0)
@@ -923,7 +941,7 @@ async def test_promotion_failure_ends_the_wave_and_a_ready_working_slot_is_reuse
 @run_async
 async def test_pressure_evicts_oldest_only_from_layers_with_more_than_one_slot() -> None:
     # Budget 5 (1 working + 2 layers x 2); the backend counts 2 bytes per occupied slot.
-    manager, backend = make(layers=(0, 1), working=1, per_layer=2, backend_slot_bytes=2)
+    manager, _backend = make(layers=(0, 1), working=1, per_layer=2, backend_slot_bytes=2)
     await wave(manager, 0, [1])
     await wave(manager, 0, [2])
     await wave(manager, 1, [3])
@@ -954,7 +972,10 @@ async def test_pressure_raises_when_budget_cannot_be_reached() -> None:
     for layer, expert in ((0, 1), (0, 2), (1, 3)):
         await wave(manager, layer, [expert])
     backend.footprint = 1000
-    with pytest.raises(ResidencyPressureError, match=r"^expert physical footprint 1000 exceeds budget 6, and no evictable capacity remains$"):
+    with pytest.raises(
+        ResidencyPressureError,
+        match=r"^expert physical footprint 1000 exceeds budget 6, and no evictable capacity remains$",
+    ):
         manager.correct_for_pressure()
     # What could go went: the older of layer 0's two; layer 1 had one ready (3) and an idle slot.
     snap = manager.snapshot()
@@ -1032,7 +1053,7 @@ async def test_preload_chunks_by_working_size_and_counts_as_policy() -> None:
 
 @run_async
 async def test_preload_refused_during_a_wave_and_noop_without_pins() -> None:
-    manager, backend = make(pins=((0, 1),))
+    manager, _backend = make(pins=((0, 1),))
     lease = await manager.acquire_block(0, [2])
     with pytest.raises(ResidencyError, match="pinned preload requires a model safe point"):
         await manager.preload_pinned()
@@ -1075,12 +1096,22 @@ async def test_repin_with_the_real_ledger(tmp_path, hot_resident: bool) -> None:
     (candidate,) = manager.repin_candidates()  # layer 1 has no pins: no candidate
     assert (candidate.layer, candidate.cold_expert_id, candidate.hot_expert_id) == (0, 7, 5)
     pinned_slot = resident(manager)[(0, 7)][0]
-    counters_before = (backend.counters.submits, backend.counters.leases, backend.counters.releases,
-                       backend.counters.discards, backend.counters.cancels)
+    counters_before = (
+        backend.counters.submits,
+        backend.counters.leases,
+        backend.counters.releases,
+        backend.counters.discards,
+        backend.counters.cancels,
+    )
     event = await manager.apply_repin(candidate)
     assert event == ExpertRepinEvent(layer=0, evicted_pin=7, admitted_pin=5, gain=candidate.gain)
-    counters_after = (backend.counters.submits, backend.counters.leases, backend.counters.releases,
-                      backend.counters.discards, backend.counters.cancels)
+    counters_after = (
+        backend.counters.submits,
+        backend.counters.leases,
+        backend.counters.releases,
+        backend.counters.discards,
+        backend.counters.cancels,
+    )
     policy = manager.drain_policy_telemetry()
     if hot_resident:
         # The swap itself moves roles only: no backend call at all.
@@ -1153,7 +1184,7 @@ async def test_stale_repin_candidates_refused(cold: int, hot: int) -> None:
 
 @run_async
 async def test_repin_needs_the_cold_pin_materialized() -> None:
-    manager, backend = make(working=1, per_layer=2, pins=((0, 7),))
+    manager, _backend = make(working=1, per_layer=2, pins=((0, 7),))
     with pytest.raises(ResidencyError, match="could not materialize both"):
         await manager.apply_repin(ExpertLfruCandidate(0, 0, 7, 5, 0, 2000, 7))
     assert manager.pinned == ((0, 7),) and manager.snapshot().repin_swaps == 0
@@ -1203,7 +1234,7 @@ async def test_hints_use_hint_segments_when_the_locator_gives_them() -> None:
         hints = () if expert == 4 else (ExpertIOHintSegment(layer, expert * 1000 + 10, 3),)
         return ExpertResidencyLocation(layer, expert, base.segments, hints)
 
-    manager, backend = make(locator=locator)
+    manager, _backend = make(locator=locator)
     manager.hint_experts(0, [2, 4])
     telemetry = manager.drain_hint_telemetry()
     # Expert 4's empty hint list is skipped silently (no submit, no error).
@@ -1225,7 +1256,7 @@ def test_hints_without_backend_support_count_submit_errors() -> None:
 
 
 def test_hints_dropped_when_the_queue_is_full_and_locator_errors_counted() -> None:
-    manager, backend = make(hint_capacity=0)
+    manager, _backend = make(hint_capacity=0)
     manager.hint_experts(0, [1, 2])
     telemetry = manager.drain_hint_telemetry()
     assert (telemetry.candidates, telemetry.dropped, telemetry.submitted, telemetry.submit_errors) == (2, 2, 0, 0)
@@ -1251,15 +1282,27 @@ def test_hint_baseline_is_taken_at_construction() -> None:
 
 @pytest.mark.parametrize(
     "layer, ids, error",
-    [(3, [1], ValueError), (-1, [1], ValueError), ("0", [1], TypeError),
-     (0, [1, -1], ValueError), (0, [1, "x"], TypeError), (0, [1, 2.0], TypeError), (0, [False], TypeError)],
+    [
+        (3, [1], ValueError),
+        (-1, [1], ValueError),
+        ("0", [1], TypeError),
+        (0, [1, -1], ValueError),
+        (0, [1, "x"], TypeError),
+        (0, [1, 2.0], TypeError),
+        (0, [False], TypeError),
+    ],
 )
 def test_bad_hints_raise_and_leave_counters_unchanged(layer, ids, error) -> None:
-    manager, backend = make()
+    manager, _backend = make()
     with pytest.raises(error):
         manager.hint_experts(layer, ids)
     telemetry = manager.drain_hint_telemetry()
-    assert (telemetry.candidates, telemetry.submitted, telemetry.submit_errors, telemetry.resident_skipped) == (0, 0, 0, 0)
+    assert (telemetry.candidates, telemetry.submitted, telemetry.submit_errors, telemetry.resident_skipped) == (
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 # -- record_routes, drains, snapshot ------------------------------------------------

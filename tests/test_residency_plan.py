@@ -58,7 +58,9 @@ def test_require_int_minimum_messages() -> None:
 
 
 def _plan(**overrides):
-    arguments = dict(budget_bytes=1000, fixed_bytes=100, slot_bytes=10, sparse_layers=3, working_slots=4, pinned_experts=2)
+    arguments = dict(
+        budget_bytes=1000, fixed_bytes=100, slot_bytes=10, sparse_layers=3, working_slots=4, pinned_experts=2
+    )
     arguments.update(overrides)
     return plan_expert_residency(**arguments)
 
@@ -99,8 +101,13 @@ def test_plan_defaults_working_64_pinned_0_uncapped() -> None:
     assert plan.resident_slots == 936
     assert plan.total_slots == 64 + 936
     explicit_none = plan_expert_residency(
-        budget_bytes=10_000, fixed_bytes=0, slot_bytes=10, sparse_layers=2,
-        working_slots=None, pinned_experts=None, max_slots_per_layer=None,
+        budget_bytes=10_000,
+        fixed_bytes=0,
+        slot_bytes=10,
+        sparse_layers=2,
+        working_slots=None,
+        pinned_experts=None,
+        max_slots_per_layer=None,
     )
     assert explicit_none == plan
 
@@ -134,7 +141,9 @@ def test_plan_refusal_names_every_part() -> None:
 def test_plan_refusal_counts_pinned_slots() -> None:
     _plan(budget_bytes=190, pinned_experts=2)
     with pytest.raises(ValueError, match=r"0 fixed \+ 1 working \+ 5 pinned \+ one slot for each of 1 sparse layers"):
-        plan_expert_residency(budget_bytes=6, fixed_bytes=0, slot_bytes=1, sparse_layers=1, working_slots=1, pinned_experts=5)
+        plan_expert_residency(
+            budget_bytes=6, fixed_bytes=0, slot_bytes=1, sparse_layers=1, working_slots=1, pinned_experts=5
+        )
 
 
 def test_plan_refuses_fixed_bytes_alone_over_budget() -> None:
@@ -144,8 +153,12 @@ def test_plan_refuses_fixed_bytes_alone_over_budget() -> None:
 
 def test_plan_accepts_zero_fixed_and_zero_pinned_and_numpy_ints() -> None:
     plan = plan_expert_residency(
-        budget_bytes=np.int64(12), fixed_bytes=np.int32(0), slot_bytes=np.uint16(1),
-        sparse_layers=np.int64(2), working_slots=np.int8(2), pinned_experts=np.int64(0),
+        budget_bytes=np.int64(12),
+        fixed_bytes=np.int32(0),
+        slot_bytes=np.uint16(1),
+        sparse_layers=np.int64(2),
+        working_slots=np.int8(2),
+        pinned_experts=np.int64(0),
     )
     assert (plan.slots_per_layer, plan.total_slots) == (5, 12)
     assert all(type(getattr(plan, f.name)) is int for f in dataclasses.fields(plan))
@@ -153,7 +166,15 @@ def test_plan_accepts_zero_fixed_and_zero_pinned_and_numpy_ints() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["budget_bytes", "fixed_bytes", "slot_bytes", "sparse_layers", "working_slots", "pinned_experts", "max_slots_per_layer"],
+    [
+        "budget_bytes",
+        "fixed_bytes",
+        "slot_bytes",
+        "sparse_layers",
+        "working_slots",
+        "pinned_experts",
+        "max_slots_per_layer",
+    ],
 )
 @pytest.mark.parametrize("bad", [10.0, 2.5, True, False, "10", np.float32(3)])
 def test_plan_type_errors(name: str, bad) -> None:
@@ -341,7 +362,9 @@ def test_hint_segments_no_cache_mode_hints_only_the_scale_tail() -> None:
 
 
 def test_hint_segments_no_cache_scale_zero_keeps_everything_and_beyond_drops_everything() -> None:
-    assert build_expert_hint_segments(SEGMENTS, 0, True) == [ExpertIOHintSegment(s.file, s.offset, s.length) for s in SEGMENTS]
+    assert build_expert_hint_segments(SEGMENTS, 0, True) == [
+        ExpertIOHintSegment(s.file, s.offset, s.length) for s in SEGMENTS
+    ]
     assert build_expert_hint_segments(SEGMENTS, 120, True) == []
     assert build_expert_hint_segments(SEGMENTS, 119, True) == [ExpertIOHintSegment(1, 5019, 1)]
 

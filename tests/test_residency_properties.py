@@ -33,7 +33,9 @@ SLOT_BYTES = 10
 def _locate(layer: int, expert: int) -> ExpertResidencyLocation:
     # The offset encodes (layer, expert) so injected failures can target one expert.
     return ExpertResidencyLocation(
-        layer, expert, (ExpertIOSegment(file=0, offset=(layer * EXPERTS + expert) * SLOT_BYTES, length=SLOT_BYTES, destination=0),)
+        layer,
+        expert,
+        (ExpertIOSegment(file=0, offset=(layer * EXPERTS + expert) * SLOT_BYTES, length=SLOT_BYTES, destination=0),),
     )
 
 
@@ -137,9 +139,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         for action, slot, _ in self.backend.counters.history[history_start:]:
             assert action in ("release", "discard")
             if action == "discard":
-                assert slot not in leased_slots or not any(
-                    e.hit for e in lease.entries if e.slot == slot
-                )
+                assert slot not in leased_slots or not any(e.hit for e in lease.entries if e.slot == slot)
 
     @precondition(lambda self: self.held is not None)
     @rule(data=st.data())
@@ -159,7 +159,9 @@ class ResidencyMachine(RuleBasedStateMachine):
     def stale_release_is_detected(self, bump: int) -> None:
         lease, self.held = self.held, None
         entry = lease.entries[0]
-        forged = SimpleNamespace(layer=entry.layer, expert_id=entry.expert_id, slot=entry.slot, generation=entry.generation + bump)
+        forged = SimpleNamespace(
+            layer=entry.layer, expert_id=entry.expert_id, slot=entry.slot, generation=entry.generation + bump
+        )
         history_start = len(self.backend.counters.history)
         with pytest.raises(StaleLeaseError):
             self.manager.release_fenced([forged])
@@ -178,9 +180,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             slots = manager._layer_slots[layer]
             ready = sum(1 for i in slots if manager._slots[i].phase == "ready")
             evictable += min(ready, len(slots) - 1)
-        self.backend.extra_footprint = (
-            self.plan.budget_bytes + excess * SLOT_BYTES - self.backend.physical_footprint()
-        )
+        self.backend.extra_footprint = self.plan.budget_bytes + excess * SLOT_BYTES - self.backend.physical_footprint()
         try:
             after = manager.correct_for_pressure()
             event(f"pressure: evicted {after.pressure_evictions - before.pressure_evictions}")

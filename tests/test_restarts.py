@@ -87,8 +87,9 @@ def test_a_lost_workers_loads_are_resubmitted_to_a_live_one(tmp_path):
 
     async def scenario() -> None:
         with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
-            async with IOWorkerPool(slab=slab, manifest=[path], workers=2, io_mode="buffered",
-                                    test_read_delay_ms=1000) as pool:  # fmt: skip
+            async with IOWorkerPool(
+                slab=slab, manifest=[path], workers=2, io_mode="buffered", test_read_delay_ms=1000
+            ) as pool:
                 backend = pool.backend
                 backend.submit_segments(0, 1, (ExpertIOSegment(0, 0, SLOT, 0),))
                 backend.submit_segments(1, 1, (ExpertIOSegment(0, SLOT, SLOT, 0),))  # one per worker
@@ -97,7 +98,9 @@ def test_a_lost_workers_loads_are_resubmitted_to_a_live_one(tmp_path):
                 await asyncio.wait_for(asyncio.gather(backend.wait(0, 1), backend.wait(1, 1)), 20)
                 telemetry = backend.telemetry()
                 assert (telemetry.workers_lost, telemetry.resubmitted, telemetry.failed) == (1, 1, 0)
-                assert (_slot(slab, 0, SLOT) == data[:SLOT]).all() and (_slot(slab, 1, SLOT) == data[SLOT:2 * SLOT]).all()
+                assert (_slot(slab, 0, SLOT) == data[:SLOT]).all() and (
+                    _slot(slab, 1, SLOT) == data[SLOT : 2 * SLOT]
+                ).all()
                 assert backend.worker_modes() == {1: ("buffered",)}  # the lost one no longer counts
 
     asyncio.run(scenario())
@@ -119,7 +122,9 @@ def test_a_worker_dead_before_the_watchdog_looks_is_skipped_not_fatal(tmp_path, 
                     backend.submit_segments(slot, 1, (ExpertIOSegment(0, slot * SLOT, SLOT, 0),))
                 await asyncio.wait_for(asyncio.gather(backend.wait(0, 1), backend.wait(1, 1)), 20)
                 assert backend.telemetry().failed == 0 and backend.telemetry().workers_lost == 1
-                assert (_slot(slab, 0, SLOT) == data[:SLOT]).all() and (_slot(slab, 1, SLOT) == data[SLOT:2 * SLOT]).all()
+                assert (_slot(slab, 0, SLOT) == data[:SLOT]).all() and (
+                    _slot(slab, 1, SLOT) == data[SLOT : 2 * SLOT]
+                ).all()
 
     asyncio.run(scenario())
     assert "I/O worker 0" in caplog.text and "unreachable" in caplog.text
@@ -132,8 +137,9 @@ def test_with_no_live_worker_loads_wait_for_a_restarted_one(replaced, tmp_path, 
 
     async def scenario() -> None:
         with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
-            async with IOWorkerPool(slab=slab, manifest=[path], workers=1, io_mode="buffered",
-                                    test_read_delay_ms=500) as pool:  # fmt: skip
+            async with IOWorkerPool(
+                slab=slab, manifest=[path], workers=1, io_mode="buffered", test_read_delay_ms=500
+            ) as pool:
                 backend = pool.backend
                 backend.submit_segments(0, 1, (ExpertIOSegment(0, 0, SLOT, 0),))
                 await asyncio.sleep(0.1)
@@ -145,15 +151,21 @@ def test_with_no_live_worker_loads_wait_for_a_restarted_one(replaced, tmp_path, 
                         await asyncio.wait_for(backend.wait(0, 1), 10)
                     assert caught.value.code == "worker_lost"
                     return
-                config = WorkerConfig(index=0, endpoint=backend.endpoint, manifest=os.path.join(pool.run_dir,
-                                      "manifest.json"), slab_name=slab.name, total_slots=2, slot_bytes=SLOT,
-                                      io_mode="buffered")  # fmt: skip
+                config = WorkerConfig(
+                    index=0,
+                    endpoint=backend.endpoint,
+                    manifest=os.path.join(pool.run_dir, "manifest.json"),
+                    slab_name=slab.name,
+                    total_slots=2,
+                    slot_bytes=SLOT,
+                    io_mode="buffered",
+                )
                 replacement = spawn_io_worker(config)
                 try:
                     await asyncio.wait_for(asyncio.gather(backend.wait(0, 1), backend.wait(1, 1)), 20)
                     # slot 0 was re-submitted; slot 1, parked at submit, was only sent late
                     assert backend.telemetry().resubmitted == 1 and backend.worker_modes() == {0: ("buffered",)}
-                    assert (_slot(slab, 1, SLOT) == data[SLOT:2 * SLOT]).all()
+                    assert (_slot(slab, 1, SLOT) == data[SLOT : 2 * SLOT]).all()
                 finally:
                     backend.shutdown_workers()
                     await asyncio.to_thread(replacement.stop)
@@ -186,7 +198,7 @@ def test_an_io_worker_killed_mid_job_is_restarted_and_the_job_completes_unchange
                 else:
                     assert list(event.tokens) == tokens
         check_tokens(tokens, want)
-        assert wait_for(lambda: launched.stderr().count("I/O worker 0 is ready again") == attempt + 1, timeout=30)
+        assert wait_for(lambda n=attempt + 1: launched.stderr().count("I/O worker 0 is ready again") == n, timeout=30)
         in_flight.append(_lost_with(launched.stderr(), victim))
         seen.append(launched.child_pid("--index 0 "))
         if in_flight[-1]:
@@ -223,8 +235,9 @@ def test_a_gpu_worker_killed_mid_job_fails_it_clearly_and_the_next_job_succeeds(
 
 def _ledger(path, store: ExpertStore) -> tuple[int, list[str]]:
     warnings: list[str] = []
-    ledger = ExpertUsageLedger.open(path, layers=store.sparse_layers, experts_per_layer=store.experts_per_layer,
-                                    on_warning=warnings.append)  # fmt: skip
+    ledger = ExpertUsageLedger.open(
+        path, layers=store.sparse_layers, experts_per_layer=store.experts_per_layer, on_warning=warnings.append
+    )
     return ledger.snapshot().total_count, warnings
 
 

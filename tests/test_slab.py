@@ -40,9 +40,15 @@ def test_create_maps_the_whole_segment_with_mode_0600():
     assert not os.path.exists("/dev/shm" + slab.name)
 
 
-@pytest.mark.parametrize(("slots", "stride", "message"), [
-    (0, SLOT, "total_slots"), (1, 0, "slot_bytes"), (1, SLOT + 4096, "multiple of 16384"), (1, 4096, "16384"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("slots", "stride", "message"),
+    [
+        (0, SLOT, "total_slots"),
+        (1, 0, "slot_bytes"),
+        (1, SLOT + 4096, "multiple of 16384"),
+        (1, 4096, "16384"),
+    ],
+)
 def test_bad_geometry_is_refused(slots, stride, message):
     with pytest.raises(ValueError, match=message):
         Slab.create(total_slots=slots, slot_bytes=stride)

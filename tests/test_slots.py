@@ -80,7 +80,7 @@ def test_default_path_here_is_the_copy_path():
     buffer = np.zeros(2 * SLOT, dtype=np.uint8)
     layout = _fill(buffer, 0, _sources())
     if not zero_copy_supported():
-        arrays, stats = slot_arrays(buffer, 0, SLOT, layout)
+        _arrays, stats = slot_arrays(buffer, 0, SLOT, layout)
         assert stats.path == COPY
         with pytest.raises(ValueError, match="zero-copy"):
             slot_arrays(buffer, 0, SLOT, layout, zero_copy=True)
@@ -91,7 +91,7 @@ def test_copy_path_over_a_real_slab_releases_its_buffer():
     sources = _sources()
     with slab_module.Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
         layout = _fill(slab.buffer, 1, sources)
-        arrays, stats = slot_arrays(slab.buffer, 1, SLOT, layout)
+        arrays, _stats = slot_arrays(slab.buffer, 1, SLOT, layout)
         view = np.frombuffer(slab.buffer, dtype=np.uint8)
         view[:] = 0
         del view
@@ -197,7 +197,8 @@ def test_stacked_equals_stack_of_copies_bit_for_bit(max_pooled):
     stacked, stats = slots.stacked_slot_arrays(buffer, slots_, SLOT, [layouts[s] for s in slots_], pool)
     singles = [slot_arrays(buffer, s, SLOT, layouts[s], zero_copy=False)[0] for s in slots_]
     assert stats.path == COPY and stats.bytes_copied == stats.nbytes == sum(
-        t.nbytes for s in slots_ for t in layouts[s])
+        t.nbytes for s in slots_ for t in layouts[s]
+    )
     assert set(stacked) == set(names)
     for name in names:
         want = mx.stack([single[name] for single in singles])
@@ -222,7 +223,7 @@ def test_pooled_buffers_are_reused_and_rewritten():
         assert _raw(array) == _raw(want)
     assert pool.pooled_bytes == sum(t.nbytes for t in layouts[0]) * 2
     fresh = slots.StackBuffers(max_pooled=1)
-    one, _ = slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], fresh)
+    _one, _ = slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], fresh)
     assert fresh.pooled_bytes == 0  # larger than max_pooled: not kept
 
 

@@ -127,8 +127,10 @@ def test_staging_arguments_are_checked(staging):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spans=st.lists(st.tuples(st.integers(0, SIZE - 1), st.integers(1, 5 << 20)), min_size=1, max_size=3),
-       above=st.sampled_from([0, BLOCK, 1 << 20]))  # fmt: skip
+@given(
+    spans=st.lists(st.tuples(st.integers(0, SIZE - 1), st.integers(1, 5 << 20)), min_size=1, max_size=3),
+    above=st.sampled_from([0, BLOCK, 1 << 20]),
+)
 def test_any_staged_spans_land_exactly(disk_file, payload, region, staging, spans, above):
     spans = [(offset, min(length, SIZE - offset)) for offset, length in spans]
     if sum(length + 2 * BLOCK for _, length in spans) > len(region):
@@ -146,8 +148,16 @@ def test_any_staged_spans_land_exactly(disk_file, payload, region, staging, span
 SHMEM_NEVER = "always within_size advise [never] deny force"
 
 
-def fake_sysfs(root: Path, target: Path, *, anon="always [madvise] never", shmem=SHMEM_NEVER, segments=254,
-               sectors_kb=4096, partition=False) -> Path:  # fmt: skip
+def fake_sysfs(
+    root: Path,
+    target: Path,
+    *,
+    anon="always [madvise] never",
+    shmem=SHMEM_NEVER,
+    segments=254,
+    sectors_kb=4096,
+    partition=False,
+) -> Path:
     thp = root / "kernel" / "mm" / "transparent_hugepage"
     thp.mkdir(parents=True)
     (thp / "enabled").write_text(anon + "\n")
@@ -175,13 +185,16 @@ def test_auto_stages_where_the_segment_limit_splits_reads(tmp_path, disk_file, p
     assert "segment limit" in choice.reason
 
 
-@pytest.mark.parametrize(("options", "largest", "fragment"), [
-    (dict(anon="always madvise [never]"), EXPERT, "enabled=never"),
-    (dict(shmem="always within_size [advise] never deny force"), EXPERT, "shmem_enabled=advise"),
-    (dict(segments=1024), EXPERT, "not split by the segment limit"),
-    (dict(sectors_kb=512), EXPERT, "not split by the segment limit"),
-    ({}, 512 << 10, "not split by the segment limit"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "largest", "fragment"),
+    [
+        (dict(anon="always madvise [never]"), EXPERT, "enabled=never"),
+        (dict(shmem="always within_size [advise] never deny force"), EXPERT, "shmem_enabled=advise"),
+        (dict(segments=1024), EXPERT, "not split by the segment limit"),
+        (dict(sectors_kb=512), EXPERT, "not split by the segment limit"),
+        ({}, 512 << 10, "not split by the segment limit"),
+    ],
+)
 def test_auto_leaves_staging_off_where_it_cannot_pay(tmp_path, disk_file, options, largest, fragment):
     sysfs = fake_sysfs(tmp_path / "sys", disk_file, **options)
     choice = choose_staging([str(disk_file)], largest_read=largest, sysfs=sysfs, platform="linux")

@@ -96,9 +96,8 @@ def test_only_dead_runs_are_removed(tmp_path):
         dead = {
             "gone": _run(parent, "moeslab-gone", pid=gone.pid, start="x:1", slab=names["gone"]),
             "zombie": _run(parent, "moeslab-zombie", pid=sleeper.pid, start=zombie_start, slab=names["zombie"]),
-            "reused": _run(parent, "moeslab-reused", pid=os.getpid(), start="not-this-process",
-                           slab=names["reused"]),
-        }  # fmt: skip
+            "reused": _run(parent, "moeslab-reused", pid=os.getpid(), start="not-this-process", slab=names["reused"]),
+        }
         live = parent / "moeslab-live"
         live.mkdir()
         write_run_record(live, names["live"])
@@ -107,12 +106,14 @@ def test_only_dead_runs_are_removed(tmp_path):
             (parent / name).mkdir()
             kept.append(str(parent / name))
         (parent / "moeslab-garbage" / RUN_RECORD).write_text("{not json")
-        (parent / "moeslab-foreign" / RUN_RECORD).write_text(json.dumps(dict(
-            pid=gone.pid, start="x:1", slab=foreign, created=0.0, version=1)))  # fmt: skip
+        (parent / "moeslab-foreign" / RUN_RECORD).write_text(
+            json.dumps(dict(pid=gone.pid, start="x:1", slab=foreign, created=0.0, version=1))
+        )
         (parent / "moeslab-file").write_text("not a directory")
         (parent / "other-run").mkdir()
-        (parent / "other-run" / RUN_RECORD).write_text(json.dumps(dict(
-            pid=gone.pid, start="x:1", slab=names["orphan"], created=0.0, version=1)))  # not our prefix  # fmt: skip
+        (parent / "other-run" / RUN_RECORD).write_text(
+            json.dumps(dict(pid=gone.pid, start="x:1", slab=names["orphan"], created=0.0, version=1))
+        )  # not our prefix
 
         report = clean_stale_runs(parent)
 

@@ -61,9 +61,7 @@ def models(tmp_path_factory):
         key = (family, quantized, layout, tuple(sorted(options.items())))
         if key not in built:
             path = tmp_path_factory.mktemp(f"{family}-{int(quantized)}-{layout}")
-            built[key] = write_tiny_model(
-                path, family=family, quantized=quantized, layout=layout, **options
-            )
+            built[key] = write_tiny_model(path, family=family, quantized=quantized, layout=layout, **options)
         return built[key]
 
     return get
@@ -94,9 +92,7 @@ def _raw(array: mx.array) -> bytes:
     return np.array(array).tobytes()
 
 
-def _read_like_o_direct(
-    store: ExpertStore, layer: int, expert: int, *, reverse: bool = False
-) -> bytearray:
+def _read_like_o_direct(store: ExpertStore, layer: int, expert: int, *, reverse: bool = False) -> bytearray:
     """Fill a slot the way the I/O worker will: aligned windows, at destination - residue."""
     block = store.block_size
     slot = bytearray(b"\xa5" * store.slot_bytes)
@@ -136,11 +132,7 @@ def _check_layout_rules(store: ExpertStore, layer: int, expert: int) -> None:
     spans = sorted((s.destination, s.destination + s.length) for s in segments)
     merged = []
     for begin, end in covered:
-        if (
-            merged
-            and merged[-1][1] == begin
-            and any(a <= merged[-1][0] and end <= b for a, b in spans)
-        ):
+        if merged and merged[-1][1] == begin and any(a <= merged[-1][0] and end <= b for a, b in spans):
             merged[-1] = (merged[-1][0], end)
         else:
             merged.append((begin, end))
@@ -181,11 +173,7 @@ def test_slots_hold_the_models_own_expert_slices(models, case):
 
 
 def _down_proj_8bit(path, module):
-    return (
-        {"bits": 8, "group_size": 32}
-        if path.endswith("down_proj") and "switch_mlp" in path
-        else True
-    )
+    return {"bits": 8, "group_size": 32} if path.endswith("down_proj") and "switch_mlp" in path else True
 
 
 @pytest.mark.parametrize(
@@ -214,18 +202,14 @@ def test_other_quantizations_and_dtypes(tmp_path, options):
     layer = store.layer(1)
     if "mode" in options:
         spec = layer.quant("up_proj")
-        assert spec.mode == options["mode"] and spec.global_scale == options.get(
-            "global_scale", False
-        )
+        assert spec.mode == options["mode"] and spec.global_scale == options.get("global_scale", False)
         assert "up_proj.biases" not in {t.name for t in layer.tensors}
     elif quantized:
         assert (layer.quant("down_proj").bits, layer.quant("down_proj").group_size) == (8, 32)
         assert (layer.quant("gate_proj").bits, layer.quant("gate_proj").group_size) == (4, 64)
     else:
         assert layer.quantization == ()
-        assert {t.dtype for t in layer.tensors} == {
-            "BF16" if options["dtype"] == "bfloat16" else "F16"
-        }
+        assert {t.dtype for t in layer.tensors} == {"BF16" if options["dtype"] == "bfloat16" else "F16"}
 
 
 @pytest.mark.parametrize("block_size", [1, 512, 4096, 16384])
@@ -239,9 +223,7 @@ def test_layout_rules_hold_for_every_block_size(models, case, block_size):
     weights = _sanitized_weights(models(*case))
     slot = _read_like_o_direct(store, layer, 7)
     for tensor in store.layout(layer, 7):
-        assert slot_view(slot, tensor).tobytes() == _raw(
-            weights[f"{store.layer(layer).module}.{tensor.name}"][7]
-        )
+        assert slot_view(slot, tensor).tobytes() == _raw(weights[f"{store.layer(layer).module}.{tensor.name}"][7])
 
 
 def test_layouts_differ_per_expert_when_residues_differ(models):
@@ -274,9 +256,7 @@ def test_metadata(models):
     assert not any("shared_experts" in name or "layers.0." in name for name in names)
     everything = {**load_file(str(path / "model.safetensors"))}
     assert store.expert_bytes == sum(everything[name].nbytes for name in names)
-    assert store.dense_bytes + store.expert_bytes == sum(
-        value.nbytes for value in everything.values()
-    )
+    assert store.dense_bytes + store.expert_bytes == sum(value.nbytes for value in everything.values())
     layer = store.layer(1)
     assert (layer.module, layer.kind, layer.layout) == (
         "model.layers.1.mlp.switch_mlp",
@@ -286,9 +266,7 @@ def test_metadata(models):
     assert layer.quant("down_proj").bits == 4 and layer.quant("down_proj").group_size == 64
     assert layer.quant("down_proj").mode == "affine"
     assert {t.name for t in layer.tensors} == {
-        f"{p}.{k}"
-        for p in ("gate_proj", "up_proj", "down_proj")
-        for k in ("weight", "scales", "biases")
+        f"{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "scales", "biases")
     }
     assert "slot_bytes" in repr(store)
 
@@ -320,9 +298,7 @@ def test_dtype_helpers():
     assert slot_view(buffer, tensor).tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
-@pytest.mark.parametrize(
-    "options", [{"shards": 3}, {"shards": 2, "layout": "per_expert"}, {"index": False}]
-)
+@pytest.mark.parametrize("options", [{"shards": 3}, {"shards": 2, "layout": "per_expert"}, {"index": False}])
 def test_sharded_and_unindexed_checkpoints(models, options):
     path = models("qwen3_moe", **options)
     store = ExpertStore.open(path)
@@ -442,9 +418,7 @@ def test_refuses_shape_mismatches(models, tmp_path):
 
     quant = _copy_model(models("qwen3_moe", True), tmp_path / "quant")
     name = "model.layers.0.mlp.switch_mlp.down_proj.scales"
-    file = _edit_tensors(
-        quant, lambda t: t.__setitem__(name, np.concatenate([t[name]] * 3, axis=-1))
-    )
+    file = _edit_tensors(quant, lambda t: t.__setitem__(name, np.concatenate([t[name]] * 3, axis=-1)))
     _refused(quant, "model.layers.0.mlp.switch_mlp.down_proj.weight", str(file), "does not fit")
 
 
@@ -527,9 +501,7 @@ def test_refuses_layouts_sanitize_would_transform(models, tmp_path):
     name = "model.layers.0.block_sparse_moe.experts.8.w1.weight"
     file = _edit_tensors(
         extra,
-        lambda t: t.__setitem__(
-            name, t["model.layers.0.block_sparse_moe.experts.0.w1.weight"].copy()
-        ),
+        lambda t: t.__setitem__(name, t["model.layers.0.block_sparse_moe.experts.0.w1.weight"].copy()),
     )
     _refused(extra, name, str(file), "out of range")
 
@@ -632,9 +604,7 @@ def test_plan_rules_hold_for_arbitrary_offsets(sizes, gaps, files, start, block_
     block = 1 << block_shift
     specs, sources, cursor = [], [], start
     for index, size in enumerate(sizes):
-        specs.append(
-            ExpertTensorSpec(f"t{index}.{'weight' if index % 3 else 'scales'}", "U8", (size,), size)
-        )
+        specs.append(ExpertTensorSpec(f"t{index}.{'weight' if index % 3 else 'scales'}", "U8", (size,), size))
         sources.append(((files[index], cursor),))
         cursor += size + gaps[index]
     plan = _plan_expert(0, 0, tuple(specs), tuple(sources), block)
@@ -644,22 +614,16 @@ def test_plan_rules_hold_for_arbitrary_offsets(sizes, gaps, files, start, block_
     for segment in segments:
         assert segment.destination % block == segment.offset % block
         residue = segment.offset % block
-        windows.append(
-            (segment.destination - residue, _align_up(segment.destination + segment.length, block))
-        )
+        windows.append((segment.destination - residue, _align_up(segment.destination + segment.length, block)))
     assert plan.extent == max(end for _, end in windows)
     for index, (begin, end) in enumerate(windows):
         for other, segment in enumerate(segments):
             if other != index:
                 assert end <= segment.destination or begin >= segment.destination + segment.length
     # Each tensor sits in its segment exactly where its file bytes are.
-    for tensor, source in zip(
-        plan.layout, (sources[int(t.name[1:].split(".")[0])] for t in plan.layout), strict=True
-    ):
+    for tensor, source in zip(plan.layout, (sources[int(t.name[1:].split(".")[0])] for t in plan.layout), strict=True):
         ((file, offset),) = source
-        segment = next(
-            s for s in segments if s.file == file and s.offset <= offset < s.offset + s.length
-        )
+        segment = next(s for s in segments if s.file == file and s.offset <= offset < s.offset + s.length)
         assert tensor.offset == segment.destination + offset - segment.offset
     # Contiguous tensors of one file are one read.
     assert len(segments) == len({(f, s) for f, s in _runs(sizes, gaps, files, start)})

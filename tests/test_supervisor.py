@@ -75,7 +75,7 @@ class Launched:
             self.process.kill()
             self.process.wait()
             self.reap()
-            raise AssertionError(f"the supervisor did not exit within {timeout} s:\n{self.stderr()[-4000:]}")
+            raise AssertionError(f"the supervisor did not exit within {timeout} s:\n{self.stderr()[-4000:]}") from None
 
     def reap(self) -> None:
         """After a SIGKILL of the supervisor: let the children exit, remove what the run left."""
@@ -139,18 +139,41 @@ def supervisor_env(tmp_path: Path) -> dict[str, str]:
 def model_args(model: Path, *, budget: int | None = None) -> list[str]:
     """The tight plan: top_k working slots, one resident slot per sparse layer, 1 MiB KV reserve."""
     store = ExpertStore.open(model)
-    return ["--model", str(model), "--memory-budget", str(budget if budget is not None else tight_budget(store)),
-            "--kv-reserve", str(TEST_KV_RESERVE), "--working-slots", str(store.top_k), "--slots-per-layer", "1",
-            "--io-mode", io_mode_for(model)]  # fmt: skip
+    return [
+        "--model",
+        str(model),
+        "--memory-budget",
+        str(budget if budget is not None else tight_budget(store)),
+        "--kv-reserve",
+        str(TEST_KV_RESERVE),
+        "--working-slots",
+        str(store.top_k),
+        "--slots-per-layer",
+        "1",
+        "--io-mode",
+        io_mode_for(model),
+    ]
 
 
-def launch(tmp_path: Path, args: list[str], *, expect_ready: bool = True, name: str = "supervisor",
-           timeout: float = READY_TIMEOUT) -> Launched:  # fmt: skip
+def launch(
+    tmp_path: Path,
+    args: list[str],
+    *,
+    expect_ready: bool = True,
+    name: str = "supervisor",
+    timeout: float = READY_TIMEOUT,
+) -> Launched:
     """Start `scripts/launch.py ARGS`; wait for its ready line (or, if not expected, for its exit)."""
     log = tmp_path / f"{name}.log"
     with open(log, "wb") as stderr:
-        process = subprocess.Popen([sys.executable, str(LAUNCH), *args], cwd=REPO, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=stderr, env=supervisor_env(tmp_path))  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, str(LAUNCH), *args],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=supervisor_env(tmp_path),
+        )
     launched = Launched(process, None, log)
     _STARTED.append(launched)
     if not expect_ready:
@@ -162,7 +185,7 @@ def launch(tmp_path: Path, args: list[str], *, expect_ready: bool = True, name: 
     line = b""
     while not line.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0 or process.poll() is not None and not select.select([process.stdout], [], [], 0)[0]:
+        if left <= 0 or (process.poll() is not None and not select.select([process.stdout], [], [], 0)[0]):
             process.kill()
             process.wait()
             launched.reap()
@@ -230,8 +253,17 @@ def test_sizes_and_endpoints_parse_or_are_refused():
             parse_size(bad)
     assert check_jobs_endpoint("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
     assert check_jobs_endpoint("ipc:///tmp/x/jobs") == "ipc:///tmp/x/jobs"
-    for bad in ("tcp://0.0.0.0:5555", "tcp://10.0.0.1:80", "tcp://*:5555", "tcp://localhost:5555",
-                "tcp://127.0.0.1:0", "tcp://127.0.0.1", "ipc://relative/jobs", "udp://127.0.0.1:5", "inproc://x"):
+    for bad in (
+        "tcp://0.0.0.0:5555",
+        "tcp://10.0.0.1:80",
+        "tcp://*:5555",
+        "tcp://localhost:5555",
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1",
+        "ipc://relative/jobs",
+        "udp://127.0.0.1:5",
+        "inproc://x",
+    ):
         with pytest.raises(ValueError):
             check_jobs_endpoint(bad)
 
@@ -282,8 +314,11 @@ def free_port() -> int:
 def test_loopback_tcp_endpoint_a_given_run_dir_and_sigint(model, tmp_path):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
-    launched = launch(tmp_path, model_args(model) + ["--endpoint", endpoint, "--run-dir", str(run_dir),
-                                                     "--pinned-experts", "auto", "--io-workers", "1"])
+    launched = launch(
+        tmp_path,
+        model_args(model)
+        + ["--endpoint", endpoint, "--run-dir", str(run_dir), "--pinned-experts", "auto", "--io-workers", "1"],
+    )
     assert launched.ready["endpoint"] == endpoint and launched.ready["run_dir"] == str(run_dir)
     assert launched.ready["plan"]["pinned_slots"] == 0 and "io_worker_1" not in launched.pids
     assert not (run_dir / "jobs").exists()  # tcp: no socket file for jobs
@@ -302,11 +337,14 @@ def test_refusals_exit_non_zero_with_the_reason(case, model, tmp_path):
     store = ExpertStore.open(model)
     args, code, needles = {
         "not_a_model": (["--model", str(tmp_path), "--memory-budget", "1GiB"], 1, ["missing config.json"]),
-        "budget_too_small": (model_args(model, budget=tight_budget(store) - 1), 1,
-                             ["cannot start", f"dense weights ({store.dense_bytes} bytes)"]),
+        "budget_too_small": (
+            model_args(model, budget=tight_budget(store) - 1),
+            1,
+            ["cannot start", f"dense weights ({store.dense_bytes} bytes)"],
+        ),
         "remote_endpoint": (model_args(model) + ["--endpoint", "tcp://0.0.0.0:5555"], 2, ["only loopback tcp"]),
         "bad_size": (["--model", str(model), "--memory-budget", "lots"], 2, ["'lots' is not a size"]),
-    }[case]  # fmt: skip
+    }[case]
     launched = launch(tmp_path, args, expect_ready=False, timeout=60)
     assert launched.process.returncode == code
     for needle in needles:
@@ -334,9 +372,14 @@ def test_a_child_that_fails_at_start_fails_the_launch(model, tmp_path):
 def test_sigterm_while_starting_stops_cleanly(model, tmp_path):
     log = tmp_path / "supervisor.log"
     with open(log, "wb") as stderr:
-        process = subprocess.Popen([sys.executable, str(LAUNCH), *model_args(model)], cwd=REPO,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
-                                   env=supervisor_env(tmp_path))  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, str(LAUNCH), *model_args(model)],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=supervisor_env(tmp_path),
+        )
     launched = Launched(process, None, log)
     _STARTED.append(launched)
     assert wait_for(lambda: "coordinator: serving" in launched.stderr() or process.poll() is not None, timeout=60)

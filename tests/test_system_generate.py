@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -71,8 +72,14 @@ def models(tmp_path_factory):
 
 def _start(path, **options):
     store = ExpertStore.open(path)
-    defaults = dict(model_dir=path, memory_budget=tight_budget(store), working_slots=store.top_k,
-                    kv_reserve_bytes=TEST_KV_RESERVE, io_mode=io_mode_for(path), test_hooks=HOOKS)  # fmt: skip
+    defaults = dict(
+        model_dir=path,
+        memory_budget=tight_budget(store),
+        working_slots=store.top_k,
+        kv_reserve_bytes=TEST_KV_RESERVE,
+        io_mode=io_mode_for(path),
+        test_hooks=HOOKS,
+    )
     return start_system(**{**defaults, **options})
 
 
@@ -106,9 +113,14 @@ def _lanes_of_jobs(records) -> list[tuple[int, list[int]]]:
 
 # Two compute lanes (what auto picks on a 2-core CPU) everywhere, stated so that a machine with
 # one core tests them too; one lane for one family, full precision and 4-bit.
-@pytest.mark.parametrize(("family", "quantized", "lanes"), [
-    pytest.param(family, quantized, lanes, id=f"{family}-{'q4' if quantized else 'fp32'}-{lanes}lanes")
-    for family, lanes in [*((family, 2) for family in FAMILIES), (FAMILIES[0], 1)] for quantized in (False, True)])
+@pytest.mark.parametrize(
+    ("family", "quantized", "lanes"),
+    [
+        pytest.param(family, quantized, lanes, id=f"{family}-{'q4' if quantized else 'fp32'}-{lanes}lanes")
+        for family, lanes in [*((family, 2) for family in FAMILIES), (FAMILIES[0], 1)]
+        for quantized in (False, True)
+    ],
+)
 def test_generation_equals_mlx_lm(family, quantized, lanes, models, caplog, record_property):
     caplog.set_level(logging.INFO)
     path = models(family, quantized)
@@ -135,9 +147,19 @@ def test_generation_equals_mlx_lm(family, quantized, lanes, models, caplog, reco
     assert second.done.stats.misses > 0 and second.done.stats.evictions > 0
     assert hooks, "the coordinator never reported its test hooks"
     assert hooks["violations"] == 0 and hooks["scribbled"] > 0 and hooks["verified"] > 0 and hooks["restored"] > 0
-    figures = dict(family=family, quantized=quantized, lanes=lanes, max_rel_logprob_diff=max(differences), hits=stats.hits,
-                   misses=stats.misses, evictions=stats.evictions, all_resident=stats.all_resident,
-                   bytes_read=stats.bytes_read, finish=first.done.finish_reason, hooks=hooks)  # fmt: skip
+    figures = dict(
+        family=family,
+        quantized=quantized,
+        lanes=lanes,
+        max_rel_logprob_diff=max(differences),
+        hits=stats.hits,
+        misses=stats.misses,
+        evictions=stats.evictions,
+        all_resident=stats.all_resident,
+        bytes_read=stats.bytes_read,
+        finish=first.done.finish_reason,
+        hooks=hooks,
+    )
     record_property("figures", json.dumps(figures))
     log.info("system figures: %s", json.dumps(figures))
 
@@ -157,11 +179,20 @@ def test_budget_that_cannot_start_names_every_part(models, monkeypatch):
     monkeypatch.setattr("shared.launch.Slab.create", refuse)
     monkeypatch.setattr("shared.launch.spawn_child", refuse)
     with pytest.raises(BudgetError) as caught:
-        start_system(model_dir=path, memory_budget=tight_budget(store) - 1, working_slots=store.top_k,
-                     kv_reserve_bytes=TEST_KV_RESERVE)  # fmt: skip
+        start_system(
+            model_dir=path,
+            memory_budget=tight_budget(store) - 1,
+            working_slots=store.top_k,
+            kv_reserve_bytes=TEST_KV_RESERVE,
+        )
     message = str(caught.value)
-    for part in (f"dense weights ({store.dense_bytes} bytes)", f"KV reserve ({TEST_KV_RESERVE} bytes)",
-                 f"{store.top_k} working slots", "each of 2 sparse layers", f"{store.slot_bytes} bytes per slot"):
+    for part in (
+        f"dense weights ({store.dense_bytes} bytes)",
+        f"KV reserve ({TEST_KV_RESERVE} bytes)",
+        f"{store.top_k} working slots",
+        "each of 2 sparse layers",
+        f"{store.slot_bytes} bytes per slot",
+    ):
         assert part in message, message
     assert message.endswith(f": {tight_budget(store)} bytes")
     assert not psutil.Process().children()
@@ -170,8 +201,10 @@ def test_budget_that_cannot_start_names_every_part(models, monkeypatch):
 @pytest.mark.parametrize("mode", ["dies", "stalls"])
 def test_a_gpu_worker_that_dies_or_stalls_fails_the_launch(mode, models, tmp_path):
     path = models("qwen3_moe", False)
-    script = {"dies": "import sys; print('boom: no accelerator here', file=sys.stderr); sys.exit(3)",
-              "stalls": "import sys, time; print('thinking...', file=sys.stderr, flush=True); time.sleep(600)"}[mode]
+    script = {
+        "dies": "import sys; print('boom: no accelerator here', file=sys.stderr); sys.exit(3)",
+        "stalls": "import sys, time; print('thinking...', file=sys.stderr, flush=True); time.sleep(600)",
+    }[mode]
     run_dir = tmp_path / "run"
     started = time.monotonic()
     with pytest.raises(LaunchError) as caught:
@@ -193,16 +226,17 @@ def test_stop_removes_everything_and_the_config_is_complete(models, tmp_path):
     store = ExpertStore.open(path)
     usage = tmp_path / "usage.coli"
     # two pinned experts (preloaded at startup) on top of the tight budget; a usage ledger
-    with _start(path, test_hooks=(), pinned=2, usage_file=usage,
-                memory_budget=tight_budget(store) + 2 * store.slot_bytes) as system:  # fmt: skip
+    with _start(
+        path, test_hooks=(), pinned=2, usage_file=usage, memory_budget=tight_budget(store) + 2 * store.slot_bytes
+    ) as system:
         run_dir, slab = system.run_dir, system.slab_name
         assert (os.stat(run_dir).st_mode & 0o777) == 0o700
-        config = json.loads(open(os.path.join(run_dir, "config.json")).read())
+        config = json.loads(Path(run_dir, "config.json").read_text())
         assert config["slab"]["name"] == slab and config["endpoints"]["jobs"] == system.endpoint
         assert config["endpoints"]["io"] == f"ipc://{run_dir}/io" and config["test_hooks"] == []
         assert config["plan"]["total_slots"] == system.plan.total_slots and config["model_dir"] == str(path)
         assert config["pinned"] == [[0, 0], [1, 0]] and config["usage_file"] == str(usage)
-        assert json.loads(open(config["manifest"]).read()) == list(store.manifest)
+        assert json.loads(Path(config["manifest"]).read_text()) == list(store.manifest)
         assert os.path.exists(f"/dev/shm{slab}")
         children = list(system.children)
         assert set(system.pids) == {"coordinator", "I/O worker 0", "I/O worker 1", "GPU worker"}
@@ -233,23 +267,38 @@ def test_config_round_trip_and_refusals(tmp_path):
     from coordinator.residency_plan import plan_expert_residency
     from shared.config import ConfigError, RunConfig, SlabSpec, read_config, run_endpoints, write_config
 
-    plan = plan_expert_residency(budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2,
-                                 working_slots=2, pinned_experts=1)  # fmt: skip
-    config = RunConfig(run_dir=str(tmp_path), model_dir="/m", block_size=4096, manifest="/m.json", manifest_files=1,
-                       plan=plan, slab=SlabSpec("/moeslab-0123456789ab", plan.total_slots, plan.slot_bytes),
-                       endpoints=run_endpoints(tmp_path), io_workers=2, io_mode="direct", kv_reserve_bytes=0,
-                       dense_bytes=10, pinned=((1, 3),), test_hooks=("verify_fenced",))  # fmt: skip
+    plan = plan_expert_residency(
+        budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2, working_slots=2, pinned_experts=1
+    )
+    config = RunConfig(
+        run_dir=str(tmp_path),
+        model_dir="/m",
+        block_size=4096,
+        manifest="/m.json",
+        manifest_files=1,
+        plan=plan,
+        slab=SlabSpec("/moeslab-0123456789ab", plan.total_slots, plan.slot_bytes),
+        endpoints=run_endpoints(tmp_path),
+        io_workers=2,
+        io_mode="direct",
+        kv_reserve_bytes=0,
+        dense_bytes=10,
+        pinned=((1, 3),),
+        test_hooks=("verify_fenced",),
+    )
     write_config(config, tmp_path / "config.json")
     assert (os.stat(tmp_path / "config.json").st_mode & 0o777) == 0o600
     assert read_config(tmp_path / "config.json") == config
     data = json.loads((tmp_path / "config.json").read_text())
-    for change, needle in ((lambda d: d["plan"].update(total_slots=1), "does not match the plan"),
-                           (lambda d: d.update(io_mode="fast"), "io_mode"),
-                           (lambda d: d.update(test_hooks=["break_things"]), "unknown test hook"),
-                           (lambda d: d.update(pinned=[]), "pinned must hold 1"),
-                           (lambda d: d["slab"].update(slot_bytes=-1), "config.slab.slot_bytes"),
-                           (lambda d: d.update(surprise=1), "unknown field(s) ['surprise']"),
-                           (lambda d: d.pop("plan"), "missing field 'plan'")):  # fmt: skip
+    for change, needle in (
+        (lambda d: d["plan"].update(total_slots=1), "does not match the plan"),
+        (lambda d: d.update(io_mode="fast"), "io_mode"),
+        (lambda d: d.update(test_hooks=["break_things"]), "unknown test hook"),
+        (lambda d: d.update(pinned=[]), "pinned must hold 1"),
+        (lambda d: d["slab"].update(slot_bytes=-1), "config.slab.slot_bytes"),
+        (lambda d: d.update(surprise=1), "unknown field(s) ['surprise']"),
+        (lambda d: d.pop("plan"), "missing field 'plan'"),
+    ):
         broken = json.loads(json.dumps(data))
         change(broken)
         (tmp_path / "bad.json").write_text(json.dumps(broken))
@@ -258,8 +307,12 @@ def test_config_round_trip_and_refusals(tmp_path):
     with pytest.raises(ConfigError, match="too long for ipc socket paths"):
         run_endpoints("/" + "x" * 120)
     # the process refuses a bad configuration with one clear line and exit code 1
-    done = subprocess.run([sys.executable, "-m", "coordinator", "--config", str(tmp_path / "bad.json")],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--config", str(tmp_path / "bad.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "missing field 'plan'" in done.stderr
 
 

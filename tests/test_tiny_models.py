@@ -21,9 +21,7 @@ from tests.tiny_models import (
 def _tokens(path, prompt: str = "hello, world", count: int = 12) -> list[int]:
     model, tokenizer = mlx_lm.load(str(path))
     greedy = make_sampler(temp=0.0)
-    return [
-        r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=count, sampler=greedy)
-    ]
+    return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=count, sampler=greedy)]
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
@@ -47,12 +45,9 @@ def test_per_expert_layout_is_the_same_model(tmp_path, family, quantized):
             write_tiny_model(tmp_path / "hf", family=family, quantized=True, layout="per_expert")
         return
     stacked = write_tiny_model(tmp_path / "stacked", family=family, quantized=quantized, seed=3)
-    hf = write_tiny_model(
-        tmp_path / "hf", family=family, quantized=quantized, seed=3, layout="per_expert", shards=2
-    )
+    hf = write_tiny_model(tmp_path / "hf", family=family, quantized=quantized, seed=3, layout="per_expert", shards=2)
     assert any(
-        ".experts.0." in name
-        for name in json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+        ".experts.0." in name for name in json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
     )
     assert _tokens(stacked) == _tokens(hf)
 
@@ -67,9 +62,7 @@ def test_seeded_and_deterministic(tmp_path):
 
 
 def test_overrides_and_tokenizer(tmp_path):
-    path = write_tiny_model(
-        tmp_path, family="qwen3_moe", num_hidden_layers=4, num_experts=16, dtype="float16"
-    )
+    path = write_tiny_model(tmp_path, family="qwen3_moe", num_hidden_layers=4, num_experts=16, dtype="float16")
     config = json.loads((path / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_experts"], config["torch_dtype"]) == (
         4,

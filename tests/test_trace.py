@@ -101,8 +101,16 @@ def test_generator_shape_distinct_rows_and_ranges():
 
 @pytest.mark.parametrize(
     ("overlap", "top_k", "experts", "zipf"),
-    [(0.0, 8, 64, 1.0), (0.1, 8, 64, 1.0), (0.4, 8, 128, 1.0), (0.4, 6, 16, 0.0), (0.55, 4, 10, 2.0),
-     (0.75, 8, 32, 1.0), (0.93, 2, 5, 0.5), (1.0, 8, 16, 1.0)],
+    [
+        (0.0, 8, 64, 1.0),
+        (0.1, 8, 64, 1.0),
+        (0.4, 8, 128, 1.0),
+        (0.4, 6, 16, 0.0),
+        (0.55, 4, 10, 2.0),
+        (0.75, 8, 32, 1.0),
+        (0.93, 2, 5, 0.5),
+        (1.0, 8, 16, 1.0),
+    ],
 )
 def test_generator_hits_the_requested_overlap(overlap, top_k, experts, zipf):
     trace = generate_trace(layers=6, experts=experts, top_k=top_k, tokens=400, overlap=overlap, zipf=zipf, seed=3)
@@ -148,8 +156,23 @@ def test_generator_refuses_impossible_parameters(params, fragment):
 
 def test_make_trace_cli(tmp_path):
     out = tmp_path / "gen.txt"
-    command = [sys.executable, str(REPO / "scripts" / "make_trace.py"), str(out),
-               "--layers", "3", "--experts", "16", "--top-k", "4", "--tokens", "50", "--overlap", "0.5", "--seed", "9"]
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "make_trace.py"),
+        str(out),
+        "--layers",
+        "3",
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--tokens",
+        "50",
+        "--overlap",
+        "0.5",
+        "--seed",
+        "9",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "measured" in done.stderr
@@ -165,9 +188,25 @@ def test_make_trace_cli(tmp_path):
 
 def test_make_trace_cli_usage_profile_covers_the_earlier_tokens(tmp_path):
     out, usage = tmp_path / "late.txt", tmp_path / "usage"
-    command = [sys.executable, str(REPO / "scripts" / "make_trace.py"), str(out), "--layers", "2",
-               "--experts", "12", "--top-k", "3", "--tokens", "30", "--seed", "4",
-               "--usage-out", str(usage), "--usage-tokens", "20"]
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "make_trace.py"),
+        str(out),
+        "--layers",
+        "2",
+        "--experts",
+        "12",
+        "--top-k",
+        "3",
+        "--tokens",
+        "30",
+        "--seed",
+        "4",
+        "--usage-out",
+        str(usage),
+        "--usage-tokens",
+        "20",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
     whole = generate_trace(layers=2, experts=12, top_k=3, tokens=50, overlap=0.4, seed=4)
@@ -178,4 +217,4 @@ def test_make_trace_cli_usage_profile_covers_the_earlier_tokens(tmp_path):
     early = whole.experts[whole.tokens < 20]
     assert sum(count for _, _, count in rows) == early.size
     layer0 = np.bincount(early[whole.layers[whole.tokens < 20] == 0].ravel(), minlength=12)
-    assert {(e, c) for l, e, c in rows if l == 0} == {(e, int(c)) for e, c in enumerate(layer0) if c}
+    assert {(e, c) for layer, e, c in rows if layer == 0} == {(e, int(c)) for e, c in enumerate(layer0) if c}

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -39,8 +40,7 @@ AUTO = dict(min_history_selections=100, full_confidence_selections=100, min_pin_
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("persist"), family="qwen3_moe", num_hidden_layers=4,
-                            num_experts=16)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("persist"), family="qwen3_moe", num_hidden_layers=4, num_experts=16)
 
 
 def _budget(store: ExpertStore) -> int:
@@ -51,18 +51,24 @@ def _auto(store: ExpertStore, usage) -> tuple[tuple[int, int], ...]:
     """The launcher's `auto` pins, with thresholds for a model of a few thousand selections."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(budget, "plan_expert_auto_pins", functools.partial(plan_expert_auto_pins, **AUTO))
-        return budget.auto_pins(store, memory_budget=_budget(store), kv_reserve_bytes=TEST_KV_RESERVE,
-                                working_slots=WORKING, usage_file=str(usage))  # fmt: skip
+        return budget.auto_pins(
+            store,
+            memory_budget=_budget(store),
+            kv_reserve_bytes=TEST_KV_RESERVE,
+            working_slots=WORKING,
+            usage_file=str(usage),
+        )
 
 
 def _run(model, usage, *, pinned=(), config=None):
     store = ExpertStore.open(model)
-    return start(model, memory_budget=_budget(store), working_slots=WORKING, pinned=pinned, usage_file=usage,
-                 config=config)  # fmt: skip
+    return start(
+        model, memory_budget=_budget(store), working_slots=WORKING, pinned=pinned, usage_file=usage, config=config
+    )
 
 
 def _counts(path) -> dict[tuple[int, int], int]:
-    rows = [line.split() for line in open(path).read().splitlines() if line.strip()]
+    rows = [line.split() for line in Path(path).read_text().splitlines() if line.strip()]
     return {(int(layer), int(expert)): int(count) for layer, expert, count in rows}
 
 
@@ -94,8 +100,14 @@ def test_a_second_run_with_auto_pins_hits_more_than_the_first(model, history, re
         second = run_job(system, max_tokens=32, return_logprobs=False).done.stats
     preloads = [r.getMessage() for r in caplog.records if "preloaded" in r.getMessage()]
     assert any(f"preloaded {len(pins)} pinned experts: {len(pins)} loads" in m for m in preloads), preloads
-    figures = dict(run1_hit_rate=first.hit_rate, run2_hit_rate=second.hit_rate, run1_misses=first.misses,
-                   run2_misses=second.misses, pins=len(pins), history_selections=selections)  # fmt: skip
+    figures = dict(
+        run1_hit_rate=first.hit_rate,
+        run2_hit_rate=second.hit_rate,
+        run1_misses=first.misses,
+        run2_misses=second.misses,
+        pins=len(pins),
+        history_selections=selections,
+    )
     record_property("figures", figures)
     log.info("usage persistence figures: %s", figures)
     assert second.hits + second.misses == first.hits + first.misses  # the same prompt, the same routing
@@ -124,23 +136,22 @@ def test_live_repin_swaps_cold_pins_for_hot_experts_between_jobs(model, history,
 
 def test_the_ledger_is_flushed_periodically_while_a_job_runs(model, tmp_path):
     usage = tmp_path / "usage"
-    with _run(model, usage, config=dict(usage_flush_s=0.2)) as system:
-        with Client(system.endpoint, timeout=60) as client:
-            stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
-            seen = []
+    with _run(model, usage, config=dict(usage_flush_s=0.2)) as system, Client(system.endpoint, timeout=60) as client:
+        stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
+        seen = []
 
-            def changed() -> bool:
-                if usage.exists():
-                    total = sum(_counts(usage).values())
-                    if not seen or total > seen[-1]:
-                        seen.append(total)
-                return len(seen) >= 3
+        def changed() -> bool:
+            if usage.exists():
+                total = sum(_counts(usage).values())
+                if not seen or total > seen[-1]:
+                    seen.append(total)
+            return len(seen) >= 3
 
-            assert wait_for(changed, timeout=20, interval=0.05), seen  # three growing versions, mid-job
-            assert isinstance(next(stream), TokenEvent)  # still running: no job end flushed those
-            client.cancel(stream.id)
-            with pytest.raises(JobError):
-                stream.result()
+        assert wait_for(changed, timeout=20, interval=0.05), seen  # three growing versions, mid-job
+        assert isinstance(next(stream), TokenEvent)  # still running: no job end flushed those
+        client.cancel(stream.id)
+        with pytest.raises(JobError):
+            stream.result()
 
 
 def test_the_ledger_is_flushed_at_shutdown(model, tmp_path):

@@ -146,9 +146,7 @@ def tiny_config(family: str, **overrides) -> dict:
         raise ValueError(f"unknown tiny model family {family!r}; choose from {FAMILIES}")
     config = {**copy.deepcopy(_COMMON), **copy.deepcopy(_CONFIGS[family]), **overrides}
     if family == "gpt_oss" and "layer_types" not in overrides:
-        config["layer_types"] = ["sliding_attention", "full_attention"] * (
-            config["num_hidden_layers"] // 2
-        )
+        config["layer_types"] = ["sliding_attention", "full_attention"] * (config["num_hidden_layers"] // 2)
     return config
 
 
@@ -197,9 +195,7 @@ def build_tiny_model(
 def unstack_experts(weights: dict[str, mx.array], family: str) -> dict[str, mx.array]:
     """Rename stacked routed experts to one tensor per expert, Hugging Face style."""
     if family not in _HF_NAMES:
-        raise ValueError(
-            f"no one-tensor-per-expert layout for {family!r}; choose from {PER_EXPERT_FAMILIES}"
-        )
+        raise ValueError(f"no one-tensor-per-expert layout for {family!r}; choose from {PER_EXPERT_FAMILIES}")
     stacked, per_expert, projections = _HF_NAMES[family]
     result = {}
     for name, value in weights.items():
@@ -212,9 +208,7 @@ def unstack_experts(weights: dict[str, mx.array], family: str) -> dict[str, mx.a
             # mlx-lm's qwen3_moe sanitize stacks only `.weight`: such a checkpoint would not load.
             raise ValueError("mlx-lm cannot load a per-expert quantized qwen3_moe checkpoint")
         for expert in range(value.shape[0]):
-            result[f"{head}.{per_expert}.{expert}.{projections[projection]}.{param}"] = value[
-                expert
-            ]
+            result[f"{head}.{per_expert}.{expert}.{projections[projection]}.{param}"] = value[expert]
     return result
 
 
@@ -231,11 +225,7 @@ def _write_shards(path: Path, weights: dict[str, mx.array], shards: int) -> None
     weight_map = {}
     for index in range(shards):
         chunk = names[index * per_shard : (index + 1) * per_shard]
-        file_name = (
-            "model.safetensors"
-            if shards == 1
-            else f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
-        )
+        file_name = "model.safetensors" if shards == 1 else f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
         part = {name: weights[name] for name in chunk}
         if any(value.dtype == mx.bfloat16 for value in part.values()):
             mx.save_safetensors(str(path / file_name), part, metadata={"format": "mlx"})
@@ -275,17 +265,13 @@ def write_tiny_model(
     if layout not in ("stacked", "per_expert"):
         raise ValueError(f"layout must be 'stacked' or 'per_expert', got {layout!r}")
     if layout == "per_expert" and family not in PER_EXPERT_FAMILIES:
-        raise ValueError(
-            f"no one-tensor-per-expert layout for {family!r}; choose from {PER_EXPERT_FAMILIES}"
-        )
+        raise ValueError(f"no one-tensor-per-expert layout for {family!r}; choose from {PER_EXPERT_FAMILIES}")
     shard_count = int(shards)
     if shard_count < 1:
         raise ValueError(f"shards must be >= 1, got {shards!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model, config = build_tiny_model(
-        family, quantized=quantized, seed=seed, dtype=dtype, **overrides
-    )
+    model, config = build_tiny_model(family, quantized=quantized, seed=seed, dtype=dtype, **overrides)
     if layout == "stacked" and shard_count == 1:
         save_model(path, model)
     else:
