@@ -34,13 +34,8 @@ import psutil
 import zmq
 import zmq.asyncio
 
-from coordinator.residency_plan import (
-    Consumer,
-    ExpertIOHintSegment,
-    ExpertIOHintSnapshot,
-    ExpertIOSegment,
-    require_int,
-)
+from coordinator.residency_backend import Consumer, ExpertIOHintSnapshot
+from shared.checks import require_int
 from shared.io_messages import (
     WORKER_REPLIES,
     Cancel,
@@ -57,6 +52,7 @@ from shared.io_messages import (
     WorkerTelemetry,
 )
 from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment, check_segments
 from shared.slab import Slab
 
 if TYPE_CHECKING:
@@ -160,28 +156,6 @@ class _Worker:
     hints_sent: int = 0
     hint_status: HintStatus = field(default_factory=HintStatus)
     telemetry_waiters: list[asyncio.Future[WorkerTelemetry]] = field(default_factory=list)
-
-
-def _check_segments(
-    segments: Sequence[ExpertIOSegment], slot_bytes: int, files: int | None
-) -> tuple[ExpertIOSegment, ...]:
-    checked = tuple(segments)
-    if not checked:
-        raise ValueError("a load needs at least one segment")
-    for index, segment in enumerate(checked):
-        if not isinstance(segment, ExpertIOSegment):
-            raise TypeError(f"segment {index} must be an ExpertIOSegment, got {segment!r}")
-        for name in ("file", "offset", "destination"):
-            require_int(getattr(segment, name), f"segment {index} {name}")
-        require_int(segment.length, f"segment {index} length", minimum=1)
-        if files is not None and segment.file >= files:
-            raise ValueError(f"segment {index} file index {segment.file} is not in the manifest of {files} files")
-        if segment.destination + segment.length > slot_bytes:
-            raise ValueError(
-                f"segment {index} destination [{segment.destination}, {segment.destination + segment.length}) "
-                f"is outside the slot of {slot_bytes} bytes"
-            )
-    return checked
 
 
 def _grace(value: float | None) -> float:
@@ -351,7 +325,7 @@ class IOWorkerBackend:
             raise StaleGenerationError(
                 f"submit into slot {slot} refused: generation {generation} is not newer than {record.generation}"
             )
-        checked = _check_segments(segments, self._slab.slot_bytes, self._files)
+        checked = check_segments(segments, slot_bytes=self._slab.slot_bytes, manifest=self._files)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         load = _Load(generation, -1, checked, future, time.monotonic())
         self._place(slot, load)  # BackendStateError (nothing changed) when no worker can take it
@@ -415,15 +389,9 @@ class IOWorkerBackend:
 
     def hint_segments(self, segments: Sequence[ExpertIOHintSegment]) -> bool:
         """Queue advisory readahead; False when every worker's hint queue is full."""
-        checked = tuple(segments)
-        for index, segment in enumerate(checked):
-            for name in ("file", "offset"):
-                require_int(getattr(segment, name), f"hint segment {index} {name}")
-            require_int(segment.length, f"hint segment {index} length", minimum=1)
-            if self._files is not None and segment.file >= self._files:
-                raise ValueError(f"hint segment {index} file index {segment.file} is not in the manifest")
-        if not checked:
+        if not segments:
             return True
+        checked = check_segments(segments, slot_bytes=None, manifest=self._files)
         live = [w for w in self._workers.values() if w.ready and not w.lost]
         if not live:
             raise BackendStateError("no I/O worker is ready")

@@ -17,14 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.residency import (
-    ExpertBatchLease,
-    ExpertResidencyManager,
-    ExpertUnionWave,
-    build_expert_batch_union,
-)
+from coordinator.residency import ExpertBatchLease, ExpertResidencyManager
 from shared.gpu_messages import Fence, Fenced, Lease, Routes
 from shared.protocol import BAD_REQUEST, INTERNAL, ErrorReply
+from shared.waves import ExpertUnionWave, build_expert_batch_union
 
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from coordinator.residency_plan import (
-    Consumer,
-    ExpertIOHintSegment,
-    ExpertIOHintSnapshot,
-    ExpertIOSegment,
-    require_int,
-)
+from coordinator.residency_backend import Consumer, ExpertIOHintSnapshot
+from shared.checks import require_int
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment
 
 SlotState = Literal["idle", "loading", "ready", "leased"]
 

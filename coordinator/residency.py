@@ -16,24 +16,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
-from coordinator.residency_plan import (
-    DEFAULT_EXPERT_WORKING_SLOTS,
-    EMPTY_HINT_SNAPSHOT,
-    ExpertIOHintSegment,
-    ExpertIOHintSnapshot,
-    ExpertIOSegment,
-    ExpertLatencySummary,
-    ExpertResidencyBackend,
-    ExpertResidencyLocation,
-    ExpertResidencyPlan,
-    ExpertUnionEntry,
-    ExpertUnionWave,
-    build_expert_batch_union,
-    build_expert_hint_segments,
-    plan_expert_residency,
-    require_int,
-    summarize_expert_latencies,
-)
+from coordinator.residency_backend import EMPTY_HINT_SNAPSHOT, ExpertIOHintSnapshot, ExpertResidencyBackend
 from coordinator.residency_types import (
     Classification,
     ExpertDemandTelemetry,
@@ -49,6 +32,9 @@ from coordinator.residency_types import (
     StaleLeaseError,
 )
 from coordinator.slot_table import SlotRecord, SlotTable
+from shared.checks import require_int
+from shared.plan import ExpertResidencyPlan
+from shared.segments import ExpertResidencyLocation
 
 Locate = Callable[[int, int], ExpertResidencyLocation]
 RouteObserver = Callable[[int, object], None]
@@ -622,31 +608,4 @@ class ExpertResidencyManager:
         raise error
 
 
-__all__ = [
-    "DEFAULT_EXPERT_WORKING_SLOTS",
-    "ExpertBatchLease",
-    "ExpertDemandTelemetry",
-    "ExpertHintTelemetry",
-    "ExpertIOHintSegment",
-    "ExpertIOHintSnapshot",
-    "ExpertIOSegment",
-    "ExpertLatencySummary",
-    "ExpertPolicyTelemetry",
-    "ExpertRepinEvent",
-    "ExpertResidencyBackend",
-    "ExpertResidencyLeaseEntry",
-    "ExpertResidencyLocation",
-    "ExpertResidencyManager",
-    "ExpertResidencyMapEntry",
-    "ExpertResidencyPlan",
-    "ExpertResidencySnapshot",
-    "ExpertUnionEntry",
-    "ExpertUnionWave",
-    "ResidencyError",
-    "ResidencyPressureError",
-    "StaleLeaseError",
-    "build_expert_batch_union",
-    "build_expert_hint_segments",
-    "plan_expert_residency",
-    "summarize_expert_latencies",
-]
+__all__ = ["BeforeMissSubmit", "ExpertBatchLease", "ExpertResidencyManager", "Locate", "RouteObserver"]

@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from coordinator.residency_plan import ExpertLatencySummary, summarize_expert_latencies
-
 Classification = Literal["demand", "policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLatencySummary:
+    count: int = 0
+    total_ms: float = 0.0
+    p50_ms: float = 0.0
+    p95_ms: float = 0.0
+    p99_ms: float = 0.0
+    max_ms: float = 0.0
+
+
+def summarize_expert_latencies(samples: Iterable[float]) -> ExpertLatencySummary:
+    """Nearest-rank percentiles (the seed's definition) of millisecond samples."""
+    ordered = sorted(float(sample) for sample in samples)
+    if not ordered:
+        return ExpertLatencySummary()
+
+    def percentile(fraction: float) -> float:
+        return ordered[math.ceil(fraction * len(ordered)) - 1]
+
+    return ExpertLatencySummary(
+        count=len(ordered),
+        total_ms=math.fsum(ordered),
+        p50_ms=percentile(0.5),
+        p95_ms=percentile(0.95),
+        p99_ms=percentile(0.99),
+        max_ms=ordered[-1],
+    )
 
 
 class ResidencyError(RuntimeError):

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from coordinator.residency import ExpertResidencyManager, ResidencyError, ResidencyPressureError
+from coordinator.residency import ExpertResidencyManager
+from coordinator.residency_types import ResidencyError, ResidencyPressureError
 from coordinator.stats import LoadTimer
 from coordinator.usage import ExpertUsageLedger, select_expert_lfru_candidates
 from shared.slab import Slab

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from coordinator.residency_plan import ExpertResidencyBackend
+from coordinator.residency_backend import ExpertResidencyBackend
 from coordinator.residency_types import ExpertResidencyLeaseEntry, ResidencyError
 
 SlotRole = Literal["working", "layer", "pinned", "disabled"]

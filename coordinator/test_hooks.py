@@ -22,8 +22,9 @@ import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 
-from coordinator.residency_plan import Consumer, ExpertIOSegment
+from coordinator.residency_backend import Consumer
 from shared.config import TEST_HOOKS
+from shared.segments import ExpertIOSegment
 from shared.slab import Slab
 
 logger = logging.getLogger(__name__)

@@ -1,40 +1,37 @@
 """Expert usage ledger: long-term routing counts plus session heat and recency.
 
 A port of the reference engine's usage ledger (seeds/003, usage.ts). Counts
-persist across runs in Colibri's `.coli_usage` format (one `layer expert count`
-row per nonzero counter) and drive startup auto-pinning; heat and recency are
+persist across runs in Colibri's `.coli_usage` format (`shared.usage_profile`)
+and drive startup auto-pinning (`shared.pins`); heat and recency are
 session-local and drive the LFRU live-repin policy. The profile is derived
 state: a damaged file is reported and ignored, never fatal.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import math
 import os
-import re
-import secrets
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.residency_plan import require_int
+from shared.checks import require_int
+from shared.usage_profile import (
+    MAX_SAFE_INTEGER,
+    UINT32_MAX,
+    ExpertUsageCount,
+    bounded,
+    nonzero_rows,
+    rank_counts,
+    read_profile,
+    write_profile,
+)
 
 logger = logging.getLogger(__name__)
 
-UINT32_MAX = 0xFFFF_FFFF
-MAX_SAFE_INTEGER = 2**53 - 1  # the reference's Number.isSafeInteger bound
 LFRU_RECENCY_WINDOW = 255
 LFRU_HYSTERESIS = 4 * 256
-
-# JavaScript's `\s` (also what String.prototype.trim strips), so rows split exactly as the
-# reference reader splits them; Python's str.split() differs in a few code points.
-_JS_SPACE = re.compile("[\t\n\v\f\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]+")
-_DECIMAL = re.compile(r"[+-]?[0-9]+")
 
 _U64_MASK = np.uint64(UINT32_MAX)
 
@@ -60,27 +57,6 @@ class ExpertUsageSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class ExpertUsageCount:
-    """One nonzero persistent counter."""
-
-    layer: int
-    expert_id: int
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertAutoPinPlan:
-    """Startup pins chosen from history, and the budget arithmetic behind them."""
-
-    history_selections: int
-    confidence: float
-    requested_budget_bytes: int
-    usable_budget_bytes: int
-    planned_bytes: int
-    pins: tuple[ExpertUsageCount, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class ExpertLfruCandidate:
     """A proposed live repin: replace pinned `cold_expert_id` by `hot_expert_id`."""
 
@@ -91,18 +67,6 @@ class ExpertLfruCandidate:
     cold_score: int
     hot_score: int
     gain: int
-
-
-class _ProfileError(Exception):
-    """A damaged `.coli_usage` row; the message names the line."""
-
-
-def _bounded(value: object, name: str, minimum: int, maximum: int) -> int:
-    """An int in [minimum, maximum]: TypeError for non-ints, ValueError out of range."""
-    number = require_int(value, name, minimum=minimum)
-    if number > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {number}")
-    return number
 
 
 def expert_lfru_score(heat: int, last_access: int, clock: int) -> int:
@@ -120,22 +84,9 @@ def select_expert_lfru_candidates(
     candidates: Iterable[ExpertLfruCandidate], limit: int = 4
 ) -> list[ExpertLfruCandidate]:
     """The best `limit` repins: gain descending, then layer, then hot expert ascending."""
-    limit = _bounded(limit, "live-repin limit", 1, MAX_SAFE_INTEGER)
+    limit = bounded(limit, "live-repin limit", 1, MAX_SAFE_INTEGER)
     ranked = sorted(candidates, key=lambda c: (-c.gain, c.layer, c.hot_expert_id))
     return ranked[:limit]
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make a rename inside `directory` durable; tolerate filesystems that cannot."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-        logger.debug("directory fsync unsupported for %s: %s", directory, error)
-    finally:
-        os.close(fd)
 
 
 class ExpertUsageLedger:
@@ -153,10 +104,10 @@ class ExpertUsageLedger:
             raise TypeError(f"expert usage path must be str or os.PathLike[str], got {path!r}")
         if not text:
             raise ValueError(f"expert usage path must not be empty, got {text!r}")
-        experts = _bounded(experts_per_layer, "experts_per_layer", 1, UINT32_MAX)
+        experts = bounded(experts_per_layer, "experts_per_layer", 1, UINT32_MAX)
         if isinstance(layers, (str, bytes)):
             raise TypeError(f"layers must be an iterable of integers, got {layers!r}")
-        tracked = tuple(_bounded(layer, "expert usage layer", 0, MAX_SAFE_INTEGER) for layer in layers)
+        tracked = tuple(bounded(layer, "expert usage layer", 0, MAX_SAFE_INTEGER) for layer in layers)
         if not tracked or len(set(tracked)) != len(tracked):
             raise ValueError(f"expert usage layers must be non-empty and unique, got {list(tracked)}")
         self._path, self._layers, self._experts = text, tracked, experts
@@ -184,15 +135,7 @@ class ExpertUsageLedger:
         if on_warning is not None and not callable(on_warning):
             raise TypeError(f"on_warning must be callable or None, got {on_warning!r}")
         ledger = cls(path, layers=layers, experts_per_layer=experts_per_layer)
-        try:
-            with open(ledger._path, "rb") as file:
-                ledger._load(file.read())
-        except (FileNotFoundError, NotADirectoryError):
-            return ledger  # no profile yet: start fresh, silently
-        except (OSError, _ProfileError) as error:
-            message = f"ignoring invalid expert usage profile {ledger._path}: {error}"
-            ledger._clear_counts()
-            (on_warning or logger.warning)(message)
+        read_profile(ledger._path, ledger._counts, on_warning=on_warning)
         return ledger
 
     @property
@@ -231,15 +174,18 @@ class ExpertUsageLedger:
 
     def snapshot(self) -> ExpertUsageSnapshot:
         """Clock, selections recorded this session, and count totals."""
-        total = sum(int(counts.sum(dtype=np.uint64)) for counts in self._counts.values())
+        total = self.total_count
         nonzero = sum(int(np.count_nonzero(counts)) for counts in self._counts.values())
         return ExpertUsageSnapshot(self._clock, self._route_selections, total, nonzero, self._dirty)
 
+    @property
+    def total_count(self) -> int:
+        """The exact (unsaturated) sum of all counts: the selections of history."""
+        return sum(int(counts.sum(dtype=np.uint64)) for counts in self._counts.values())
+
     def ranked_counts(self) -> list[ExpertUsageCount]:
         """Nonzero counts, most frequent first; ties by layer, then expert id."""
-        ranked = [ExpertUsageCount(*row) for row in self._nonzero_rows()]
-        ranked.sort(key=lambda c: (-c.count, c.layer, c.expert_id))
-        return ranked
+        return rank_counts(self._nonzero_rows())
 
     def lfru_candidate(self, layer: int, pinned_expert_ids: Sequence[int] | np.ndarray) -> ExpertLfruCandidate | None:
         """Propose swapping the coldest pinned expert for the hottest unpinned one.
@@ -291,44 +237,20 @@ class ExpertUsageLedger:
         """
         if not self._dirty:
             return
-        data = "".join(f"{layer} {expert} {count}\n" for layer, expert, count in self._nonzero_rows())
-        payload = memoryview(data.encode("ascii"))
-        temp = f"{self._path}.tmp-{os.getpid()}-{time.monotonic_ns()}-{secrets.token_hex(4)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        fd: int | None = None
-        try:
-            fd = os.open(temp, flags, 0o600)
-            written = 0
-            while written < len(payload):
-                step = os.write(fd, payload[written:])
-                if step <= 0:
-                    raise OSError(errno.EIO, f"write made no progress at byte {written}", temp)
-                written += step
-            os.fsync(fd)
-            closing, fd = fd, None
-            os.close(closing)
-            os.replace(temp, self._path)
-            _fsync_directory(os.path.dirname(os.path.abspath(self._path)))
-        except BaseException:
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
+        written = write_profile(self._path, self._nonzero_rows())
         self._dirty = False
-        logger.debug("flushed %d expert usage bytes to %s", len(payload), self._path)
+        logger.debug("flushed %d expert usage bytes to %s", written, self._path)
 
     def _force_clock(self, clock: int) -> None:
         """Test hook only: set the clock (reaching 2**32 for real takes hours)."""
-        self._clock = _bounded(clock, "clock", 0, UINT32_MAX)
+        self._clock = bounded(clock, "clock", 0, UINT32_MAX)
 
     def _force_entry(self, layer: int, expert_id: int, *, heat: int, last_access: int) -> None:
         """Test hook only: set one expert's heat and last access directly."""
         layer = self._require_layer(layer)
         expert_id = self._require_expert(expert_id, "expert_id")
-        self._heat[layer][expert_id] = _bounded(heat, "heat", 0, UINT32_MAX)
-        self._last[layer][expert_id] = _bounded(last_access, "last_access", 0, UINT32_MAX)
+        self._heat[layer][expert_id] = bounded(heat, "heat", 0, UINT32_MAX)
+        self._last[layer][expert_id] = bounded(last_access, "last_access", 0, UINT32_MAX)
 
     def _require_layer(self, layer: object) -> int:
         number = require_int(layer, "layer")
@@ -337,7 +259,7 @@ class ExpertUsageLedger:
         return number
 
     def _require_expert(self, expert_id: object, name: str) -> int:
-        return _bounded(expert_id, name, 0, self._experts - 1)
+        return bounded(expert_id, name, 0, self._experts - 1)
 
     def _route_ids(self, routes: object) -> np.ndarray:
         """Validated expert ids of a batch, flattened row-major, as intp."""
@@ -395,95 +317,14 @@ class ExpertUsageLedger:
 
     def _nonzero_rows(self) -> Iterator[tuple[int, int, int]]:
         """(layer, expert, count) for nonzero counts: layers as given, experts ascending."""
-        for layer in self._layers:
-            counts = self._counts[layer]
-            experts = np.flatnonzero(counts)
-            for expert_id, count in zip(experts.tolist(), counts[experts].tolist()):
-                yield layer, expert_id, count
-
-    def _load(self, data: bytes) -> None:
-        """Add the profile's rows to the counts (saturating); raise on the first bad row."""
-        # A UTF-8 multi-byte sequence never contains 0x0A, so splitting bytes on
-        # newlines numbers lines exactly as splitting the decoded text would.
-        for number, raw in enumerate(data.split(b"\n"), start=1):
-            try:
-                fields = [field for field in _JS_SPACE.split(raw.decode("utf-8")) if field]
-            except UnicodeDecodeError as error:
-                detail = f"line {number}: not valid UTF-8 ({error.reason} at byte {error.start})"
-                raise _ProfileError(detail) from None
-            if not fields:
-                continue
-            if len(fields) != 3:
-                raise _ProfileError(f"line {number}: expected layer expert count, got {' '.join(fields)!r}")
-            layer, expert_id, count = (int(f) if _DECIMAL.fullmatch(f) else None for f in fields)
-            if layer is None or layer not in self._counts:
-                raise _ProfileError(f"line {number}: invalid layer {fields[0]!r}")
-            if expert_id is None or not 0 <= expert_id < self._experts:
-                raise _ProfileError(f"line {number}: invalid expert {fields[1]!r}")
-            if count is None or not 0 <= count <= UINT32_MAX:
-                raise _ProfileError(f"line {number}: invalid count {fields[2]!r}")
-            counts = self._counts[layer]
-            counts[expert_id] = min(UINT32_MAX, int(counts[expert_id]) + count)
-
-    def _clear_counts(self) -> None:
-        for counts in self._counts.values():
-            counts.fill(0)
+        return nonzero_rows(self._counts, self._layers)
 
 
-def _require_share(value: object) -> float:
-    """pin_share as a finite float in (0, 1]."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"auto-pin pin_share must be a real number, got {value!r} ({type(value).__name__})")
-    share = float(value)
-    if not math.isfinite(share) or share <= 0 or share > 1:
-        raise ValueError(f"auto-pin pin_share must be in (0, 1], got {value!r}")
-    return share
-
-
-def plan_expert_auto_pins(
-    *,
-    ledger: ExpertUsageLedger,
-    resident_tier_budget_bytes: int,
-    mandatory_resident_bytes: int,
-    slot_bytes: Callable[[int], int],
-    min_history_selections: int = 5000,
-    full_confidence_selections: int = 200_000,
-    pin_share: float = 0.5,
-    min_pin_budget_bytes: int = 500_000_000,
-) -> ExpertAutoPinPlan:
-    """Colibri's startup AUTOPIN policy, made budget-safe.
-
-    History must reach `min_history_selections`; confidence ramps linearly to
-    one at `full_confidence_selections`; pins get at most `pin_share` of the
-    resident-tier budget (never the mandatory slots' share) and none at all
-    below `min_pin_budget_bytes`. Greedy by count: an expert that does not fit
-    is skipped and smaller ones may still fit after it.
-    """
-    if not isinstance(ledger, ExpertUsageLedger):
-        raise TypeError(f"ledger must be an ExpertUsageLedger, got {ledger!r}")
-    if not callable(slot_bytes):
-        raise TypeError(f"slot_bytes must be a function of the layer, got {slot_bytes!r}")
-
-    def safe(value: object, name: str, minimum: int) -> int:
-        return _bounded(value, f"auto-pin {name}", minimum, MAX_SAFE_INTEGER)
-
-    min_history = safe(min_history_selections, "min_history_selections", 1)
-    full_confidence = safe(full_confidence_selections, "full_confidence_selections", 1)
-    share = _require_share(pin_share)
-    min_pin_budget = safe(min_pin_budget_bytes, "min_pin_budget_bytes", 0)
-    tier_budget = safe(resident_tier_budget_bytes, "resident_tier_budget_bytes", 0)
-    mandatory = safe(mandatory_resident_bytes, "mandatory_resident_bytes", 0)
-    history = ledger.snapshot().total_count
-    confidence = min(history / full_confidence, 1.0)
-    requested = math.floor(tier_budget * share * confidence)
-    usable = min(requested, max(0, tier_budget - mandatory))
-    pins: list[ExpertUsageCount] = []
-    planned = 0
-    if history >= min_history and requested >= min_pin_budget:
-        for candidate in ledger.ranked_counts():
-            size = safe(slot_bytes(candidate.layer), f"slot_bytes({candidate.layer})", 1)
-            if planned + size > usable:
-                continue
-            pins.append(candidate)
-            planned += size
-    return ExpertAutoPinPlan(history, confidence, requested, usable, planned, tuple(pins))
+__all__ = [
+    "ExpertLfruCandidate",
+    "ExpertUsageEntry",
+    "ExpertUsageLedger",
+    "ExpertUsageSnapshot",
+    "expert_lfru_score",
+    "select_expert_lfru_candidates",
+]

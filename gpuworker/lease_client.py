@@ -42,6 +42,7 @@ from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, slot_arrays, stacked_
 from gpuworker.streamed import ExpertProviderError, LeasedWave
 from shared.config import check_compute_lanes
 from shared.gpu_messages import Fence, Fenced, Lease, RouteMatrix, Routes
+from shared.waves import wave_partition
 
 __all__ = [
     "Channel",
@@ -51,19 +52,9 @@ __all__ = [
     "LeaseStats",
     "ParentGone",
     "WorkerStopping",
-    "wave_partition",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def wave_partition(routes: np.ndarray, working_slots: int) -> list[tuple[int, ...]]:
-    """The waves the coordinator leases for `routes`: unique experts, first-seen row-major
-    then rank-major, `working_slots` at a time (`build_expert_batch_union`, in numpy)."""
-    flat = np.asarray(routes).reshape(-1)
-    values, first = np.unique(flat, return_index=True)
-    order = values[np.argsort(first, kind="stable")].tolist()
-    return [tuple(order[start : start + working_slots]) for start in range(0, len(order), working_slots)]
 
 
 # ----------------------------------------------------------------------------- the provider

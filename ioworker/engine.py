@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment
 from native import STATUS_SHORT_READ, BypassFile, ReadPool, StagingStats, advise_willneed
 from native.staging import StagingBuffer, StagingChoice, StagingRequest, choose_staging
 from shared.io_messages import HintStatus, Load, Loaded
 from shared.protocol import BAD_REQUEST, INTERNAL
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment, SegmentError, check_segments
 from shared.slab import Slab
 
 logger = logging.getLogger(__name__)
@@ -35,37 +35,14 @@ class LoadRefused(ValueError):
     """A load or hint whose values this worker will not act on."""
 
 
-def check_segments(
-    segments: Sequence[ExpertIOSegment | ExpertIOHintSegment],
-    files: Sequence[BypassFile],
-    *,
-    slot_bytes: int | None,
+def _refuse_bad(
+    segments: Sequence[ExpertIOSegment | ExpertIOHintSegment], files: Sequence[BypassFile], *, slot_bytes: int | None
 ) -> None:
-    """Raise LoadRefused naming the first segment value the manifest or slot refuses."""
-    if not segments:
-        raise LoadRefused("no segments")
-    for index, segment in enumerate(segments):
-        where = f"segment {index}"
-        if not 0 <= segment.file < len(files):
-            raise LoadRefused(f"{where}: file index {segment.file} is not in the manifest of {len(files)} files")
-        if segment.offset < 0:
-            raise LoadRefused(f"{where}: offset {segment.offset} is negative")
-        if segment.length <= 0:  # a zero-length advice would mean "to the end of the file"
-            raise LoadRefused(f"{where}: length {segment.length} must be positive")
-        file = files[segment.file]
-        if segment.offset + segment.length > file.size:
-            raise LoadRefused(
-                f"{where}: range [{segment.offset}, {segment.offset + segment.length}) of file "
-                f"{segment.file} ({file.path}) is beyond its size {file.size}"
-            )
-        if slot_bytes is None:
-            continue
-        destination = segment.destination  # type: ignore[union-attr]
-        if destination < 0 or destination + segment.length > slot_bytes:
-            raise LoadRefused(
-                f"{where}: destination [{destination}, {destination + segment.length}) is outside the "
-                f"slot of {slot_bytes} bytes"
-            )
+    """LoadRefused naming the first segment value the manifest (its files' sizes too) or the slot refuses."""
+    try:
+        check_segments(segments, slot_bytes=slot_bytes, manifest=files)
+    except (SegmentError, TypeError) as error:
+        raise LoadRefused(str(error)) from None
 
 
 def staging_for(files: Sequence[BypassFile], *, largest_read: int, requested: StagingRequest) -> StagingChoice:
@@ -151,7 +128,7 @@ class LoadEngine:
         """Queue a load, or raise LoadRefused naming the offending value."""
         if not 0 <= load.slot < self._slab.total_slots:
             raise LoadRefused(f"slot {load.slot} is outside the slab's {self._slab.total_slots} slots")
-        check_segments(load.segments, self._files, slot_bytes=self._slab.slot_bytes)
+        _refuse_bad(load.segments, self._files, slot_bytes=self._slab.slot_bytes)
         with self._lock:
             busy = self._jobs.get(load.slot)
             if busy is not None:
@@ -320,7 +297,7 @@ class HintQueue:
 
     def offer(self, segments: Sequence[ExpertIOHintSegment]) -> bool:
         """Queue one hint message (validated, or LoadRefused); False when dropped."""
-        check_segments(segments, self._files, slot_bytes=None)
+        _refuse_bad(segments, self._files, slot_bytes=None)
         with self._cond:
             self._counts["submitted"] += 1
             if len(self._pending) >= self._capacity:
@@ -376,5 +353,4 @@ __all__ = [
     "LoadCounters",
     "LoadEngine",
     "LoadRefused",
-    "check_segments",
 ]

@@ -22,11 +22,11 @@ import tempfile
 from collections.abc import Sequence
 
 from coordinator.backend import IOWorkerBackend
-from coordinator.residency_plan import require_int
 from ioworker.main import WorkerConfig
 from ioworker.spawn import WorkerProcess, spawn_io_worker, stop_workers, wait_for_exit
 from native import DEFAULT_BLOCK_SIZE, OpenMode
 from native.staging import StagingRequest
+from shared.checks import require_int
 from shared.slab import Slab
 
 

@@ -571,8 +571,8 @@ class System:
         expert_bytes: int,
         compute_lanes: int | None = None,
     ) -> None:
-        from coordinator.residency_plan import DEFAULT_EXPERT_WORKING_SLOTS
         from shared.launch import DEFAULT_KV_RESERVE_BYTES, start_system
+        from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
 
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots

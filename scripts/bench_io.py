@@ -37,9 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.residency_plan import ExpertIOSegment, summarize_expert_latencies
+from coordinator.residency_types import summarize_expert_latencies
 from ioworker.pool import IOWorkerPool
 from native import DEFAULT_BLOCK_SIZE, advise_dontneed
+from shared.segments import ExpertIOSegment
 from shared.slab import SLOT_ALIGNMENT, Slab
 
 MB = 1e6

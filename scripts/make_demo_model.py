@@ -22,7 +22,7 @@ except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from shared.demo_model import ensure_demo_model
 
-from coordinator.residency_plan import plan_expert_residency
+from shared.plan import plan_expert_residency
 from shared.store import ExpertStore
 
 

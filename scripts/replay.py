@@ -248,7 +248,8 @@ def plan_auto_pins(
     The resident tier (slots_per_layer × layers slots) is what pins and LRU
     slots share: pins take their planned share, the LRU tier keeps the rest.
     """
-    from coordinator.usage import ExpertUsageLedger, plan_expert_auto_pins
+    from coordinator.usage import ExpertUsageLedger
+    from shared.pins import plan_expert_auto_pins
 
     warnings: list[str] = []
     ledger = ExpertUsageLedger.open(
@@ -298,12 +299,9 @@ def choose_pins(trace: Trace, *, count: int, usage_file: str | None) -> tuple[tu
 
 async def _replay_ours(trace: Trace, rows: list[list[int]], capacity: Capacity) -> PolicyResult:
     from coordinator.memory_backend import InMemoryBackend
-    from coordinator.residency import (
-        ExpertIOSegment,
-        ExpertResidencyLocation,
-        ExpertResidencyManager,
-        plan_expert_residency,
-    )
+    from coordinator.residency import ExpertResidencyManager
+    from shared.plan import plan_expert_residency
+    from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 
     layer_ids = trace.layer_ids
     working, pinned, slots = capacity.working_slots, len(capacity.pins), capacity.slots_per_layer

@@ -12,9 +12,10 @@ import os
 import re
 from collections.abc import Sequence
 
-from coordinator.residency_plan import DEFAULT_EXPERT_WORKING_SLOTS, ExpertResidencyPlan, plan_expert_residency
-from coordinator.usage import ExpertUsageLedger, plan_expert_auto_pins
+from shared.pins import plan_expert_auto_pins
+from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS, ExpertResidencyPlan, plan_expert_residency
 from shared.store import ExpertStore
+from shared.usage_profile import UsageProfile
 
 logger = logging.getLogger("moeslab.launch")
 
@@ -108,15 +109,15 @@ def check_pins(store: ExpertStore, pins: Sequence[tuple[int, int]]) -> tuple[tup
     return checked
 
 
-def _open_ledger(store: ExpertStore, usage_file: str) -> ExpertUsageLedger:
-    return ExpertUsageLedger.open(usage_file, layers=store.sparse_layers, experts_per_layer=store.experts_per_layer)
+def _read_profile(store: ExpertStore, usage_file: str) -> UsageProfile:
+    return UsageProfile.open(usage_file, layers=store.sparse_layers, experts_per_layer=store.experts_per_layer)
 
 
 def choose_pins(store: ExpertStore, count: int, usage_file: str | None) -> tuple[tuple[int, int], ...]:
     """`count` (layer, expert) pins: the usage profile's most counted first, then round robin."""
     pins: list[tuple[int, int]] = []
     if count and usage_file and os.path.exists(usage_file):
-        pins = [(c.layer, c.expert_id) for c in _open_ledger(store, usage_file).ranked_counts()[:count]]
+        pins = [(c.layer, c.expert_id) for c in _read_profile(store, usage_file).ranked_counts()[:count]]
     for expert in range(store.experts_per_layer):
         for layer in store.sparse_layers:
             if len(pins) >= count:
@@ -141,7 +142,7 @@ def auto_pins(
     working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
     tier = memory_budget - store.dense_bytes - kv_reserve_bytes - working * store.slot_bytes
     plan = plan_expert_auto_pins(
-        ledger=_open_ledger(store, usage_file),
+        ledger=_read_profile(store, usage_file),
         resident_tier_budget_bytes=max(0, tier),
         mandatory_resident_bytes=len(store.sparse_layers) * store.slot_bytes,
         slot_bytes=lambda layer: store.slot_bytes,

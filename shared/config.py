@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.residency_plan import ExpertResidencyPlan
+from shared.plan import ExpertResidencyPlan
 
 CONFIG_VERSION = 1
 CONFIG_FILE = "config.json"

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment
 from shared.protocol import (
     BAD_FIELD,
     ErrorReply,
@@ -26,6 +25,7 @@ from shared.protocol import (
     register_codec,
     wire,
 )
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment
 
 MAX_SEGMENTS = 4096  # per load or hint message
 

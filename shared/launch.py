@@ -36,7 +36,6 @@ import posix_ipc
 import zmq
 
 from coordinator.backend import REPLACEMENT_GRACE_ENV
-from coordinator.residency_plan import ExpertResidencyPlan
 from ioworker.main import WorkerConfig
 from ioworker.spawn import spawn_io_worker
 from shared.budget import DEFAULT_KV_RESERVE_BYTES, BudgetError, check_pins, choose_pins, plan_budget
@@ -56,6 +55,7 @@ from shared.config import (
     write_config,
 )
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
+from shared.plan import ExpertResidencyPlan
 from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
 from shared.slab import Slab, new_slab_name
 from shared.stale import write_run_record

@@ -17,7 +17,7 @@ import sys
 
 import posix_ipc
 
-from coordinator.residency_plan import require_int
+from shared.checks import require_int
 
 # Every run's segment name starts with this, so stale ones of dead runs can be found.
 SLAB_NAME_PREFIX = "/moeslab-"

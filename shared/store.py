@@ -30,7 +30,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from coordinator.residency_plan import ExpertIOSegment, ExpertResidencyLocation, require_int
+from shared.checks import require_int
 from shared.safetensors_index import (
     StoreError,
     TensorEntry,
@@ -38,6 +38,7 @@ from shared.safetensors_index import (
     numpy_dtype,
     scan_checkpoint,
 )
+from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 
 __all__ = [
     "SLOT_ALIGNMENT",

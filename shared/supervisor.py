@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass, replace
 
 import zmq
 
-from coordinator.usage_path import default_usage_file
 from shared.budget import DEFAULT_KV_RESERVE_BYTES, BudgetError, auto_pins, parse_size
 from shared.children import CHILD_LOGGER, ChildProcess
 from shared.config import check_compute_lanes
@@ -55,6 +54,7 @@ from shared.launch import (
 from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
 from shared.stale import RunDirInUse, claim_run_dir, clean_stale_runs
 from shared.store import ExpertStore
+from shared.usage_profile import default_usage_file
 
 logger = logging.getLogger("moeslab.supervisor")
 

@@ -21,10 +21,11 @@ from coordinator.backend import (
     IOWorkerStartError,
     StaleGenerationError,
 )
-from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment, ExpertResidencyBackend
+from coordinator.residency_backend import ExpertResidencyBackend
 from ioworker.pool import IOWorkerPool
 from shared.io_messages import WORKER_COMMANDS, Hello, HintStatus, Load, Loaded, Ready, Welcome
 from shared.protocol import decode, encode
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment
 from shared.slab import SLOT_ALIGNMENT, Slab
 
 SLOT = 4 * SLOT_ALIGNMENT

@@ -30,9 +30,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model
 
-from coordinator.residency_plan import build_expert_batch_union
 from gpuworker.channel import Channel, LeaseError, WorkerStopping
-from gpuworker.lease_client import wave_partition
 from shared.gpu_messages import (
     COORDINATOR_ACCEPTS_FROM_GPU,
     Fence,
@@ -52,6 +50,7 @@ from shared.gpu_messages import (
 from shared.protocol import ErrorReply, decode, encode, error_frame
 from shared.slab import Slab
 from shared.store import ExpertStore
+from shared.waves import build_expert_batch_union, wave_partition
 from tests.tiny_models import EOS_TOKEN_ID, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

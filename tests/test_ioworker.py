@@ -12,7 +12,6 @@ import msgpack
 import pytest
 import zmq
 
-from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment
 from ioworker.engine import HintQueue
 from ioworker.main import WorkerConfig, load_manifest, parse_args, worker_arguments
 from ioworker.spawn import spawn_io_worker
@@ -34,6 +33,7 @@ from shared.io_messages import (
     WorkerTelemetry,
 )
 from shared.protocol import decode, encode
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment
 from shared.slab import SLOT_ALIGNMENT, Slab
 
 SLOT = 4 * SLOT_ALIGNMENT  # 64 KiB

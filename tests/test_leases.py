@@ -15,16 +15,13 @@ import pytest
 
 from coordinator.leases import LOAD_FAILED, LeaseService
 from coordinator.memory_backend import InMemoryBackend
-from coordinator.residency import (
-    ExpertIOSegment,
-    ExpertResidencyLocation,
-    ExpertResidencyManager,
-    plan_expert_residency,
-)
+from coordinator.residency import ExpertResidencyManager
 from coordinator.test_hooks import SCRIBBLE, HookedBackend, wrap_backend
 from coordinator.usage import ExpertUsageLedger
 from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, RouteMatrix, Routes
+from shared.plan import plan_expert_residency
 from shared.protocol import BAD_REQUEST, ErrorReply, decode, encode
+from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import Slab
 
 LAYERS = (1, 3)

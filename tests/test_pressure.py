@@ -20,10 +20,11 @@ import pytest
 
 from coordinator.memory_backend import InMemoryBackend
 from coordinator.residency import ExpertResidencyManager
-from coordinator.residency_plan import ExpertIOSegment, ExpertResidencyLocation, plan_expert_residency
 from coordinator.safepoint import FootprintMeter, MeteredBackend, SafePoints, process_private_bytes
 from coordinator.stats import LoadTimer
 from shared.client import Client, JobError
+from shared.plan import plan_expert_residency
+from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import Slab
 from shared.store import ExpertStore
 from tests.coordinator_helpers import FootprintProbe, slab_resident, start

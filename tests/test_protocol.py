@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.residency_plan import ExpertIOHintSegment, ExpertIOSegment
 from shared import protocol
 from shared.io_messages import (
     MAX_SEGMENTS,
@@ -30,6 +29,7 @@ from shared.io_messages import (
     WorkerTelemetry,
 )
 from shared.protocol import ErrorReply, ProtocolError, decode, encode, make_registry, wire
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment
 
 COMMANDS = [
     Welcome(index=1),

@@ -15,20 +15,17 @@ import numpy as np
 import pytest
 
 from coordinator.memory_backend import BackendProtocolError, InMemoryBackend
-from coordinator.residency import (
-    ExpertBatchLease,
-    ExpertIOHintSegment,
-    ExpertIOSegment,
+from coordinator.residency import ExpertBatchLease, ExpertResidencyManager
+from coordinator.residency_types import (
     ExpertRepinEvent,
     ExpertResidencyLeaseEntry,
-    ExpertResidencyLocation,
-    ExpertResidencyManager,
     ResidencyError,
     ResidencyPressureError,
     StaleLeaseError,
-    plan_expert_residency,
 )
 from coordinator.usage import ExpertLfruCandidate, ExpertUsageLedger
+from shared.plan import plan_expert_residency
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment, ExpertResidencyLocation
 
 
 def run_async(fn):

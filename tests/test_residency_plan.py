@@ -13,20 +13,11 @@ import random
 import numpy as np
 import pytest
 
-from coordinator.residency_plan import (
-    DEFAULT_EXPERT_WORKING_SLOTS,
-    ExpertIOHintSegment,
-    ExpertIOSegment,
-    ExpertLatencySummary,
-    ExpertResidencyLocation,
-    ExpertResidencyPlan,
-    ExpertUnionEntry,
-    build_expert_batch_union,
-    build_expert_hint_segments,
-    plan_expert_residency,
-    require_int,
-    summarize_expert_latencies,
-)
+from coordinator.residency_types import ExpertLatencySummary, summarize_expert_latencies
+from shared.checks import require_int
+from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS, ExpertResidencyPlan, plan_expert_residency
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment, ExpertResidencyLocation, build_expert_hint_segments
+from shared.waves import ExpertUnionEntry, build_expert_batch_union
 
 # -- require_int -------------------------------------------------------------
 

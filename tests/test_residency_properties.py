@@ -16,15 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from coordinator.memory_backend import BackendProtocolError, InMemoryBackend
-from coordinator.residency import (
-    ExpertIOSegment,
-    ExpertResidencyLocation,
-    ExpertResidencyManager,
-    ResidencyError,
-    ResidencyPressureError,
-    StaleLeaseError,
-    plan_expert_residency,
-)
+from coordinator.residency import ExpertResidencyManager
+from coordinator.residency_types import ResidencyError, ResidencyPressureError, StaleLeaseError
+from shared.plan import plan_expert_residency
+from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 
 EXPERTS = 8
 SLOT_BYTES = 10

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 
 from coordinator.backend import REPLACEMENT_GRACE_ENV, ExpertLoadError
-from coordinator.residency_plan import ExpertIOSegment
 from coordinator.usage import ExpertUsageLedger
 from ioworker.main import WorkerConfig
 from ioworker.pool import IOWorkerPool
@@ -33,6 +32,7 @@ from ioworker.spawn import spawn_io_worker
 from shared.client import Client
 from shared.client import JobError as ClientJobError
 from shared.job_messages import TokenEvent
+from shared.segments import ExpertIOSegment
 from shared.slab import Slab
 from shared.store import ExpertStore
 from tests.system_helpers import PROMPT, wait_for

@@ -264,8 +264,8 @@ def test_children_exit_when_the_launcher_goes_away(models):
 
 
 def test_config_round_trip_and_refusals(tmp_path):
-    from coordinator.residency_plan import plan_expert_residency
     from shared.config import ConfigError, RunConfig, SlabSpec, read_config, run_endpoints, write_config
+    from shared.plan import plan_expert_residency
 
     plan = plan_expert_residency(
         budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2, working_slots=2, pinned_experts=1

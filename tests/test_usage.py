@@ -21,17 +21,15 @@ from hypothesis import strategies as st
 
 from coordinator import usage
 from coordinator.usage import (
-    UINT32_MAX,
-    ExpertAutoPinPlan,
     ExpertLfruCandidate,
-    ExpertUsageCount,
     ExpertUsageEntry,
     ExpertUsageLedger,
     ExpertUsageSnapshot,
     expert_lfru_score,
-    plan_expert_auto_pins,
     select_expert_lfru_candidates,
 )
+from shared.pins import ExpertAutoPinPlan, plan_expert_auto_pins
+from shared.usage_profile import UINT32_MAX, ExpertUsageCount
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

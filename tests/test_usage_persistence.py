@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 import shared.budget as budget
-from coordinator.usage import plan_expert_auto_pins
-from coordinator.usage_path import default_usage_file, model_fingerprint
 from shared.client import Client, JobError
 from shared.job_messages import TokenEvent
+from shared.pins import plan_expert_auto_pins
 from shared.store import ExpertStore
+from shared.usage_profile import default_usage_file, model_fingerprint
 from tests.coordinator_helpers import start
 from tests.system_helpers import PROMPT, TEST_KV_RESERVE, run_job, wait_for
 from tests.tiny_models import write_tiny_model
