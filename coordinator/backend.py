@@ -11,20 +11,18 @@ completion is recognised, counted and ignored, never applied.
 A worker that dies is noticed by a pid watchdog (its pid comes with its hello)
 or by `worker_lost()`; its in-flight loads are re-submitted at once, same
 slot and generation, to a live worker, so the residency manager never sees the
-loss. With no live worker left they wait (`replacement_grace_s`, default from
-`MOESLAB_IO_REPLACEMENT_GRACE_S`, else 0: fail at once) for a restarted worker,
-whose hello for the same index is accepted once the old one is known dead.
+loss. With no live worker left they wait (`replacement_grace_s`; 0: fail at
+once) for a restarted worker, whose hello for the same index is accepted once
+the old one is known dead.
 
-`ioworker.pool.IOWorkerPool` spawns workers and connects a backend for tests
-and the bench; the supervisor (`shared.launch`) spawns and restarts them in a
-real system.
+`coordinator.io_pool.IOWorkerPool` spawns workers and connects a backend for
+tests and the bench; in a real system the supervisor spawns and restarts them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,18 +49,16 @@ from shared.io_messages import (
     Welcome,
     WorkerTelemetry,
 )
-from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
+from shared.protocol import ProtocolError, decode, encode
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment, check_segments
 from shared.slab import Slab
+from shared.sockets import bound_endpoint, open_socket, remove_ipc_file
 
 if TYPE_CHECKING:
-    from ioworker.spawn import WorkerProcess
+    from shared.children import ChildProcess
 
 logger = logging.getLogger(__name__)
 
-# Set by the launcher, which restarts dead workers: how long loads wait for a replacement
-# when no live worker is left (the coordinator constructs the backend without the option).
-REPLACEMENT_GRACE_ENV = "MOESLAB_IO_REPLACEMENT_GRACE_S"
 WATCH_INTERVAL_S = 0.1
 LOST = "worker_lost"  # ExpertLoadError.code of a load no worker could take over
 
@@ -158,19 +154,6 @@ class _Worker:
     telemetry_waiters: list[asyncio.Future[WorkerTelemetry]] = field(default_factory=list)
 
 
-def _grace(value: float | None) -> float:
-    if value is None:
-        text = os.environ.get(REPLACEMENT_GRACE_ENV, "")
-        try:
-            value = float(text) if text else 0.0
-        except ValueError:
-            logger.warning("ignored %s=%r: not a number", REPLACEMENT_GRACE_ENV, text)
-            value = 0.0
-    if not value >= 0:  # NaN too
-        raise ValueError(f"replacement_grace_s must be >= 0, got {value!r}")
-    return float(value)
-
-
 def _process(pid: int) -> psutil.Process | None:
     """A handle that remembers the start time, so a reused pid does not look alive."""
     try:
@@ -202,30 +185,18 @@ class IOWorkerBackend:
         files: int | None = None,
         hint_capacity: int = 64,
         context: zmq.asyncio.Context | None = None,
-        replacement_grace_s: float | None = None,
+        replacement_grace_s: float = 0.0,
     ) -> None:
+        if not replacement_grace_s >= 0:  # NaN too
+            raise ValueError(f"replacement_grace_s must be >= 0, got {replacement_grace_s!r}")
         self._slab = slab
-        self._grace = _grace(replacement_grace_s)
+        self._grace = float(replacement_grace_s)
         self._expected = require_int(workers, "workers", minimum=1)
         self._files = files
         self._hint_capacity = require_int(hint_capacity, "hint_capacity", minimum=1)
         self._context = context or zmq.asyncio.Context.instance()
-        self._sock = self._context.socket(zmq.ROUTER)
-        for option, value in (
-            (zmq.LINGER, 0),
-            (zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES),
-            (zmq.SNDHWM, 0),
-            (zmq.RCVHWM, 0),
-            (zmq.ROUTER_MANDATORY, 1),
-        ):
-            # No ROUTER_HANDOVER: a second peer reusing a live worker's identity is refused.
-            self._sock.setsockopt(option, value)
-        try:
-            self._sock.bind(endpoint)
-        except zmq.ZMQError:
-            self._sock.close(linger=0)
-            raise
-        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = open_socket(self._context, zmq.ROUTER, bind=endpoint)
+        self.endpoint: str = bound_endpoint(self._sock)
         self._records = [_Slot() for _ in range(slab.total_slots)]
         self._workers: dict[int, _Worker] = {}
         self._by_identity: dict[bytes, int] = {}
@@ -244,7 +215,7 @@ class IOWorkerBackend:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def start(self, *, timeout: float = 30.0, processes: Sequence[WorkerProcess] = ()) -> None:
+    async def start(self, *, timeout: float = 30.0, processes: Sequence[ChildProcess] = ()) -> None:
         """Wait until every worker is ready; raise IOWorkerStartError naming the
         failure (a worker's setup error, a child's exit code and stderr, a timeout)."""
         if self._receiver is None:
@@ -257,7 +228,7 @@ class IOWorkerBackend:
             if self._start_errors or dead:
                 await asyncio.sleep(0.2)  # let a dying child's last stderr lines arrive
                 reasons = [f"I/O worker {i}: {message}" for i, message in sorted(self._start_errors.items())]
-                reasons += [p.describe_exit() for p in processes if p.exit_code is not None]
+                reasons += [p.describe() for p in processes if p.exit_code is not None]
                 raise IOWorkerStartError("I/O workers failed to start:\n" + "\n".join(reasons))
             if time.monotonic() > deadline:
                 ready = sorted(i for i, w in self._workers.items() if w.ready)
@@ -292,11 +263,7 @@ class IOWorkerBackend:
             if record.phase == "loading" and record.load is not None:
                 self._fail(slot, record.load, "the I/O backend was closed", code="closed")
         self._sock.close(linger=0)
-        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
-            try:  # libzmq leaves the socket file of a bound ipc endpoint behind
-                os.unlink(self.endpoint.removeprefix("ipc://"))
-            except FileNotFoundError:
-                pass
+        remove_ipc_file(self.endpoint)
 
     # ----------------------------------------------------- residency calls
 

@@ -11,15 +11,14 @@ does not decode gets an `error` reply. The parent's death ends any wait
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
-from collections.abc import Callable
 
 import zmq
 
 from gpuworker.streamed import ExpertProviderError
 from shared.gpu_messages import GPU_WORKER_ACCEPTS, GpuWelcome, Job, JobCancel
+from shared.process import ProcessLife
 from shared.protocol import BAD_FRAME, BAD_REQUEST, ErrorReply, ProtocolError, decode, encode, error_frame
 
 __all__ = ["Channel", "LeaseError", "ParentGone", "WorkerStopping"]
@@ -47,21 +46,9 @@ class Channel:
     queued (`backlog`), a frame that does not decode is answered with `error`.
     """
 
-    def __init__(
-        self,
-        sock: zmq.Socket,
-        *,
-        wake_fd: int | None = None,
-        death_fd: int | None = None,
-        parent_pid: int | None = None,
-        stop_requested: Callable[[], bool] = lambda: False,
-        stop_grace_s: float = 5.0,
-    ) -> None:
+    def __init__(self, sock: zmq.Socket, *, life: ProcessLife, stop_grace_s: float = 5.0) -> None:
         self.sock = sock
-        self.death_fd = death_fd
-        self.wake_fd = wake_fd
-        self.parent_pid = parent_pid
-        self.stop_requested = stop_requested
+        self.life = life
         self.stop_grace_s = stop_grace_s
         self.backlog: deque[Job] = deque()
         self.current_job: int | None = None
@@ -69,9 +56,8 @@ class Channel:
         self._cancelled: set[int] = set()
         self._inbox: deque[object] = deque()
         self._poller = zmq.Poller()
-        for item in (sock, wake_fd, death_fd):
-            if item is not None:
-                self._poller.register(item, zmq.POLLIN)
+        self._poller.register(sock, zmq.POLLIN)
+        life.register(self._poller)
 
     # -- sending ----------------------------------------------------------------------------------
 
@@ -91,22 +77,15 @@ class Channel:
 
     # -- receiving --------------------------------------------------------------------------------
 
-    def parent_gone(self, events: dict | None = None) -> bool:
-        if self.death_fd is not None and (events is None or self.death_fd in events):
-            try:
-                if os.read(self.death_fd, 64) == b"":
-                    return True
-            except BlockingIOError:
-                pass
-        return self.parent_pid is not None and os.getppid() != self.parent_pid
+    def stop_requested(self) -> bool:
+        return self.life.stop_requested
 
     def _pump(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for frames; decode what came into the inbox."""
         events = dict(self._poller.poll(max(0.0, timeout_s) * 1000))
-        if self.parent_gone(events):
+        if self.life.parent_gone(events):
             raise ParentGone("the parent process is gone")
-        if self.wake_fd is not None and self.wake_fd in events:
-            _drain(self.wake_fd)
+        self.life.drain(events)
         if self.sock not in events:
             return
         for _ in range(1024):
@@ -182,12 +161,3 @@ class Channel:
         self._cancelled.discard(job_id)
         if self.current_job == job_id:
             self.current_job = None
-
-
-def _drain(fd: int) -> None:
-    while True:
-        try:
-            if not os.read(fd, 4096):
-                return
-        except BlockingIOError:
-            return

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.io_pool import IOWorkerPool
 from coordinator.residency_types import summarize_expert_latencies
-from ioworker.pool import IOWorkerPool
 from native import DEFAULT_BLOCK_SIZE, advise_dontneed
 from shared.segments import ExpertIOSegment
 from shared.slab import SLOT_ALIGNMENT, Slab

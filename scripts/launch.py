@@ -4,7 +4,7 @@
     python scripts/launch.py --model DIR --memory-budget 8GiB
 
 Prints one JSON line (`{"event": "ready", ...}`) on stdout once every process is ready;
-logs go to stderr. See `shared/supervisor.py` for the flags and what it does on failures.
+logs go to stderr. See `supervisor/` (`supervisor/options.py` for the flags) and what it does on failures.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
-from shared.supervisor import main
+from supervisor.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

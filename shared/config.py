@@ -10,6 +10,7 @@ and names the offending one, so a damaged file fails the start clearly.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import types
@@ -83,6 +84,12 @@ class RunConfig:
     pressure_tolerance_bytes: int = 8 * 2**20  # measurement noise allowed above the budget before correcting
     usage_flush_s: float = 30.0  # the usage ledger is flushed this often while dirty (and after each job)
     test_footprint_offset_bytes: int = 0  # TEST KNOB: added to every measured footprint; 0 in real runs
+    # How long the coordinator's I/O backend keeps the loads of a lost I/O worker when no live one is
+    # left, waiting for the one the supervisor restarts (0: fail them at once).
+    io_replacement_grace_s: float = 60.0
+    # The GPU worker's --compute-lanes (MLX streams for a decode wave's parts); None: its auto choice.
+    compute_lanes: int | None = None
+    test_io_read_delay_ms: float | None = None  # TEST KNOB: every I/O worker holds each load this long
 
 
 def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
@@ -96,9 +103,26 @@ def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
     return Endpoints(io=f"ipc://{root}/io", gpu=f"ipc://{root}/gpu", jobs=f"ipc://{root}/jobs")
 
 
-def ipc_path(endpoint: str) -> str | None:
-    """The filesystem path of an `ipc://` endpoint (None for other transports)."""
-    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+def check_jobs_endpoint(endpoint: str) -> str:
+    """An `ipc://ABSOLUTE_PATH` or loopback `tcp://127.x.x.x:PORT` endpoint; ValueError otherwise."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if not os.path.isabs(path) or len(path.encode()) > MAX_IPC_PATH:
+            raise ValueError(f"ipc endpoint {endpoint!r} needs an absolute path of at most {MAX_IPC_PATH} bytes")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback and ipaddress.ip_address(host).version == 4
+        except ValueError:
+            loopback = False
+        if not loopback:
+            # Jobs carry no authentication: only this machine may reach the front door.
+            raise ValueError(f"endpoint {endpoint!r} refused: only loopback tcp (tcp://127.0.0.1:PORT) is allowed")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"endpoint {endpoint!r} needs a port between 1 and 65535")
+        return endpoint
+    raise ValueError(f"endpoint {endpoint!r} must be ipc://PATH or tcp://127.0.0.1:PORT")
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
@@ -179,6 +203,11 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"io_workers must be >= 1, got {config.io_workers}")
     if config.queue_limit < 1:
         raise ConfigError(f"queue_limit must be >= 1, got {config.queue_limit}")
+    if config.compute_lanes is not None:
+        try:
+            check_compute_lanes(config.compute_lanes)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     unknown = [hook for hook in config.test_hooks if hook not in TEST_HOOKS]
     if unknown:
         raise ConfigError(f"unknown test hook(s) {unknown}; known: {list(TEST_HOOKS)}")
@@ -217,9 +246,9 @@ __all__ = [
     "RunConfig",
     "SlabSpec",
     "check_config",
+    "check_jobs_endpoint",
     "config_from_dict",
     "config_to_dict",
-    "ipc_path",
     "read_config",
     "run_endpoints",
     "write_config",

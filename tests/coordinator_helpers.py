@@ -2,43 +2,26 @@
 
 - `start(path, config={...}, **options)`: `start_system` with extra run-config fields (the
   coordinator's knobs: queue_limit, footprint_interval_ms, pressure_tolerance_bytes,
-  usage_flush_s, test_footprint_offset_bytes), which the launcher does not take as arguments yet.
+  usage_flush_s, test_footprint_offset_bytes), passed as its `run_config`.
 - `RawClient`: a bare DEALER for frames the real Client refuses to send.
 - `FootprintProbe`: the footprint measured from outside with psutil, in a thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
 
 import msgpack
 import psutil
 import zmq
 
-import shared.launch as launch
 from shared.job_messages import CLIENT_ACCEPTS
-from shared.launch import RunningSystem, start_system
 from shared.protocol import decode
 from shared.store import ExpertStore
+from supervisor.system import RunningSystem, start_system
 from tests.system_helpers import TEST_KV_RESERVE, io_mode_for
-
-
-@contextlib.contextmanager
-def _config_fields(fields: dict) -> Iterator[None]:
-    original = launch.RunConfig
-
-    def with_fields(**kwargs):
-        return original(**{**kwargs, **fields})
-
-    launch.RunConfig = with_fields  # type: ignore[assignment, misc]
-    try:
-        yield
-    finally:
-        launch.RunConfig = original  # type: ignore[misc]
 
 
 def start(path, *, config: dict | None = None, **options) -> RunningSystem:
@@ -52,8 +35,7 @@ def start(path, *, config: dict | None = None, **options) -> RunningSystem:
         memory_budget=store.dense_bytes + TEST_KV_RESERVE + slots * store.slot_bytes,
         io_mode=io_mode_for(path),
     )
-    with _config_fields(config or {}):
-        return start_system(**{**defaults, **options})
+    return start_system(**{**defaults, **options}, run_config=config or {})
 
 
 class RawClient:

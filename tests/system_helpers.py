@@ -23,8 +23,8 @@ import numpy as np
 
 from shared.client import Client, token_logprobs
 from shared.job_messages import Done, TokenEvent
-from shared.launch import RunningSystem
 from shared.store import ExpertStore
+from supervisor.system import RunningSystem
 
 PROMPT = tuple(b"The quick brown fox jumps over the lazy dog, again and again.")
 TEST_KV_RESERVE = 1 << 20

@@ -21,8 +21,8 @@ from coordinator.backend import (
     IOWorkerStartError,
     StaleGenerationError,
 )
+from coordinator.io_pool import IOWorkerPool
 from coordinator.residency_backend import ExpertResidencyBackend
-from ioworker.pool import IOWorkerPool
 from shared.io_messages import WORKER_COMMANDS, Hello, HintStatus, Load, Loaded, Ready, Welcome
 from shared.protocol import decode, encode
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment

@@ -47,6 +47,7 @@ from shared.gpu_messages import (
     Routes,
     Token,
 )
+from shared.process import ProcessLife
 from shared.protocol import ErrorReply, decode, encode, error_frame
 from shared.slab import Slab
 from shared.store import ExpertStore
@@ -380,11 +381,11 @@ def test_wave_partition_is_the_coordinators():
 def test_channel_keeps_what_arrives_while_it_waits():
     context = zmq.Context()
     router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
-    stop = []
+    life = ProcessLife(death_fd=None, watch_parent=False)
     try:
         router.bind("inproc://channel")
         dealer.connect("inproc://channel")
-        channel = Channel(dealer, stop_requested=lambda: bool(stop), stop_grace_s=0.1)
+        channel = Channel(dealer, life=life, stop_grace_s=0.1)
         channel.send(GpuHello(pid=1))
         identity, _ = router.recv_multipart()
         for message in (Job(job_id=5, prompt="x"), JobCancel(job_id=5), JobCancel(job_id=6)):
@@ -401,10 +402,11 @@ def test_channel_keeps_what_arrives_while_it_waits():
         router.send_multipart([identity, error_frame("load_failed", "disk on fire")])
         with pytest.raises(LeaseError, match="refused routes of layer 2: load_failed: disk on fire"):
             channel.wait_reply("routes of layer 2", timeout_s=5)
-        stop.append(1)
+        life.stop_signal = signal.SIGTERM  # what the handler records
         with pytest.raises(WorkerStopping):
             channel.wait_reply("routes of layer 2", timeout_s=5)
     finally:
+        life.close()
         router.close()
         dealer.close()
         context.term()

@@ -13,10 +13,11 @@ import pytest
 import zmq
 
 from ioworker.engine import HintQueue
-from ioworker.main import WorkerConfig, load_manifest, parse_args, worker_arguments
-from ioworker.spawn import spawn_io_worker
+from ioworker.main import load_manifest
 from native import BypassFile
 from native.staging import choose_staging
+from shared.children import spawn_child, stop_children
+from shared.commands import IO_WORKER_MODULE, IOWorkerArgs, child_command, io_worker_argv, parse_io_worker_argv
 from shared.io_messages import (
     WORKER_REPLIES,
     Cancel,
@@ -35,6 +36,7 @@ from shared.io_messages import (
 from shared.protocol import decode, encode
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment
 from shared.slab import SLOT_ALIGNMENT, Slab
+from shared.sockets import open_socket
 
 SLOT = 4 * SLOT_ALIGNMENT  # 64 KiB
 FILE_SIZE = 256 * 1024
@@ -45,31 +47,26 @@ class Coordinator:
 
     def __init__(self, tmp_path: Path, files: list[Path], slab: Slab, **options) -> None:
         self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"ipc://{tmp_path}/io.sock"
-        self.sock.bind(self.endpoint)
+        self.sock = open_socket(self.context, zmq.ROUTER, bind=self.endpoint)
         manifest = tmp_path / "manifest.json"
         manifest.write_text(json.dumps([str(p) for p in files]))
-        self.death_r, self.death_w = os.pipe()
-        config = WorkerConfig(
+        config = IOWorkerArgs(
             index=0,
             endpoint=self.endpoint,
             manifest=str(manifest),
             slab_name=slab.name,
             total_slots=slab.total_slots,
             slot_bytes=slab.slot_bytes,
-            death_fd=self.death_r,
             handshake_timeout=5.0,
             **options,
         )
-        self.worker = spawn_io_worker(config)
-        os.close(self.death_r)
+        self.worker = spawn_child("I/O worker 0", child_command(IO_WORKER_MODULE, io_worker_argv(config)))
         self.identity = b""
 
     def recv(self, timeout: float = 10.0):
         if not self.sock.poll(timeout * 1000):
-            raise TimeoutError(f"no reply within {timeout} s; {self.worker.describe_exit()}")
+            raise TimeoutError(f"no reply within {timeout} s; {self.worker.describe()}")
         self.identity, payload = self.sock.recv_multipart()
         return decode(payload, WORKER_REPLIES)
 
@@ -101,8 +98,8 @@ class Coordinator:
         try:
             self.worker.process.wait(timeout=10)
         finally:
-            code = self.worker.stop()
-            os.close(self.death_w)
+            stop_children([self.worker], timeout=5.0)
+            code = self.worker.process.returncode
             self.sock.close()
             self.context.term()
             Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
@@ -318,8 +315,7 @@ def test_hint_queue_drops_when_full(files):
 def test_worker_exits_when_the_parent_death_pipe_closes(tmp_path, files, slab):
     coord = Coordinator(tmp_path, files[0], slab)
     coord.handshake()
-    os.close(coord.death_w)
-    coord.death_w = os.open(os.devnull, os.O_RDONLY)  # keep close() simple
+    coord.worker.close_death_pipe()
     coord.worker.process.wait(timeout=10)
     assert coord.worker.exit_code == 0
     assert any("parent process is gone" in line for line in coord.worker.stderr_tail())
@@ -356,7 +352,7 @@ def test_manifest_and_arguments_are_validated(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="non-empty JSON array"):
         load_manifest(bad)
-    config = WorkerConfig(
+    config = IOWorkerArgs(
         index=2,
         endpoint="ipc:///x",
         manifest="/m.json",
@@ -367,8 +363,8 @@ def test_manifest_and_arguments_are_validated(tmp_path):
         test_read_delay_ms=5.0,
         staging="off",
     )
-    assert parse_args(worker_arguments(config)) == config
+    assert parse_io_worker_argv(io_worker_argv(config)) == config
     with pytest.raises(SystemExit):
-        parse_args([*worker_arguments(config), "--block-size", "1000"])
+        parse_io_worker_argv([*io_worker_argv(config), "--block-size", "1000"])
     with pytest.raises(SystemExit):
-        parse_args([*worker_arguments(config), "--staging", "always"])
+        parse_io_worker_argv([*io_worker_argv(config), "--staging", "always"])

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from gpuworker import lanes as lanes_module
 from gpuworker.lanes import AUTO_CPU_LANES, MAX_LANES, decode_parts, lane_stream, resolve_lanes
 from gpuworker.lease_client import LeaseClient
-from gpuworker.main import GpuWorkerConfig, parse_args, worker_arguments
 from gpuworker.streamed import LeasedWave
+from shared.commands import GpuWorkerArgs, gpu_worker_argv, parse_gpu_worker_argv
 from shared.config import MAX_COMPUTE_LANES
-from shared.launch import start_system
-from shared.supervisor import parse_args as supervisor_args
+from supervisor.options import parse_args as supervisor_args
+from supervisor.system import start_system
 
 
 @given(n=st.integers(0, 64), lanes=st.integers(1, MAX_LANES))
@@ -92,15 +92,17 @@ def test_lane_counts_are_refused_everywhere(tmp_path, capsys):
             LeaseClient(None, store=None, buffer=None, total_slots=1, slot_bytes=1, working_slots=1, compute_lanes=bad)
         with pytest.raises(ValueError, match="compute_lanes"):
             start_system(model_dir=tmp_path, memory_budget=1 << 30, compute_lanes=bad)
-    config = GpuWorkerConfig(model=str(tmp_path), endpoint="ipc:///tmp/x", compute_lanes=3)
-    assert parse_args(worker_arguments(config)) == config
+    config = GpuWorkerArgs(model=str(tmp_path), endpoint="ipc:///tmp/x", compute_lanes=3)
+    assert parse_gpu_worker_argv(gpu_worker_argv(config)) == config
     assert (
-        parse_args(worker_arguments(GpuWorkerConfig(model=str(tmp_path), endpoint="ipc:///tmp/x"))).compute_lanes
+        parse_gpu_worker_argv(
+            gpu_worker_argv(GpuWorkerArgs(model=str(tmp_path), endpoint="ipc:///tmp/x"))
+        ).compute_lanes
         is None
     )
     for text in ("0", str(MAX_LANES + 1)):
         with pytest.raises(SystemExit):
-            parse_args([*worker_arguments(config), "--compute-lanes", text])
+            parse_gpu_worker_argv([*gpu_worker_argv(config), "--compute-lanes", text])
         assert "--compute-lanes must be in" in capsys.readouterr().err
     base = ["--model", str(tmp_path), "--memory-budget", "1GiB"]
     assert supervisor_args(base).compute_lanes is None

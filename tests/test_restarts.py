@@ -24,13 +24,13 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.backend import REPLACEMENT_GRACE_ENV, ExpertLoadError
+from coordinator.backend import ExpertLoadError
+from coordinator.io_pool import IOWorkerPool
 from coordinator.usage import ExpertUsageLedger
-from ioworker.main import WorkerConfig
-from ioworker.pool import IOWorkerPool
-from ioworker.spawn import spawn_io_worker
+from shared.children import spawn_child, stop_children
 from shared.client import Client
 from shared.client import JobError as ClientJobError
+from shared.commands import IO_WORKER_MODULE, IOWorkerArgs, child_command, io_worker_argv
 from shared.job_messages import TokenEvent
 from shared.segments import ExpertIOSegment
 from shared.slab import Slab
@@ -131,14 +131,18 @@ def test_a_worker_dead_before_the_watchdog_looks_is_skipped_not_fatal(tmp_path, 
 
 
 @pytest.mark.parametrize("replaced", [True, False], ids=["replaced", "none_comes_back"])
-def test_with_no_live_worker_loads_wait_for_a_restarted_one(replaced, tmp_path, monkeypatch):
+def test_with_no_live_worker_loads_wait_for_a_restarted_one(replaced, tmp_path):
     path, data = _file(tmp_path)
-    monkeypatch.setenv(REPLACEMENT_GRACE_ENV, "20" if replaced else "1")
 
     async def scenario() -> None:
         with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
             async with IOWorkerPool(
-                slab=slab, manifest=[path], workers=1, io_mode="buffered", test_read_delay_ms=500
+                slab=slab,
+                manifest=[path],
+                workers=1,
+                io_mode="buffered",
+                test_read_delay_ms=500,
+                replacement_grace_s=20 if replaced else 1,
             ) as pool:
                 backend = pool.backend
                 backend.submit_segments(0, 1, (ExpertIOSegment(0, 0, SLOT, 0),))
@@ -151,7 +155,7 @@ def test_with_no_live_worker_loads_wait_for_a_restarted_one(replaced, tmp_path, 
                         await asyncio.wait_for(backend.wait(0, 1), 10)
                     assert caught.value.code == "worker_lost"
                     return
-                config = WorkerConfig(
+                config = IOWorkerArgs(
                     index=0,
                     endpoint=backend.endpoint,
                     manifest=os.path.join(pool.run_dir, "manifest.json"),
@@ -160,7 +164,7 @@ def test_with_no_live_worker_loads_wait_for_a_restarted_one(replaced, tmp_path, 
                     slot_bytes=SLOT,
                     io_mode="buffered",
                 )
-                replacement = spawn_io_worker(config)
+                replacement = spawn_child("I/O worker 0", child_command(IO_WORKER_MODULE, io_worker_argv(config)))
                 try:
                     await asyncio.wait_for(asyncio.gather(backend.wait(0, 1), backend.wait(1, 1)), 20)
                     # slot 0 was re-submitted; slot 1, parked at submit, was only sent late
@@ -168,7 +172,7 @@ def test_with_no_live_worker_loads_wait_for_a_restarted_one(replaced, tmp_path, 
                     assert (_slot(slab, 1, SLOT) == data[SLOT : 2 * SLOT]).all()
                 finally:
                     backend.shutdown_workers()
-                    await asyncio.to_thread(replacement.stop)
+                    await asyncio.to_thread(stop_children, [replacement], timeout=5.0)
 
     asyncio.run(scenario())
 

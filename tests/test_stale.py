@@ -24,7 +24,8 @@ import pytest
 
 from shared.client import Client
 from shared.slab import Slab
-from shared.stale import (
+from shared.store import ExpertStore
+from supervisor.rundir import (
     RUN_RECORD,
     RunDirInUse,
     claim_run_dir,
@@ -33,7 +34,6 @@ from shared.stale import (
     read_run_record,
     write_run_record,
 )
-from shared.store import ExpertStore
 from tests.system_helpers import tight_budget, wait_for
 from tests.test_supervisor import launch, model_args, stop_leftovers, tiny_model
 

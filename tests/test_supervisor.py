@@ -28,13 +28,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shared.budget import parse_size
 from shared.client import Client
 from shared.client import JobError as ClientJobError
+from shared.config import check_jobs_endpoint
 from shared.job_messages import TokenEvent
-from shared.launch import check_jobs_endpoint
-from shared.stale import clean_stale_runs
 from shared.store import ExpertStore
+from supervisor.budget import parse_size
+from supervisor.rundir import clean_stale_runs
 from tests.system_helpers import PROMPT, TEST_KV_RESERVE, io_mode_for, oracle, tight_budget, wait_for
 from tests.tiny_models import EOS_TOKEN_ID, write_tiny_model
 

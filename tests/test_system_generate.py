@@ -1,4 +1,4 @@
-"""The whole system, as launched by `shared.launch.start_system`, against mlx-lm.
+"""The whole system, as launched by `supervisor.system.start_system`, against mlx-lm.
 
 Real processes: the coordinator, two I/O workers (O_DIRECT unless the model
 lives on tmpfs) and the GPU worker, over a slab of a working bank of top_k
@@ -34,10 +34,12 @@ from shared.client import Client
 from shared.client import JobError as ClientJobError
 from shared.gpu_messages import GpuHello, RouteMatrix, Routes
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, JobFailed, TokenEvent
-from shared.launch import BudgetError, LaunchError, start_system
 from shared.protocol import ErrorReply, decode, encode
 from shared.slab import Slab
 from shared.store import ExpertStore
+from supervisor.budget import BudgetError
+from supervisor.readiness import LaunchError
+from supervisor.system import start_system
 from tests.system_helpers import (
     PROMPT,
     TEST_KV_RESERVE,
@@ -175,9 +177,9 @@ def test_budget_that_cannot_start_names_every_part(models, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("nothing may be created before the budget is checked")
 
-    monkeypatch.setattr("shared.launch.tempfile.mkdtemp", refuse)
-    monkeypatch.setattr("shared.launch.Slab.create", refuse)
-    monkeypatch.setattr("shared.launch.spawn_child", refuse)
+    monkeypatch.setattr("supervisor.system.tempfile.mkdtemp", refuse)
+    monkeypatch.setattr("supervisor.system.Slab.create", refuse)
+    monkeypatch.setattr("supervisor.system.spawn_child", refuse)
     with pytest.raises(BudgetError) as caught:
         start_system(
             model_dir=path,

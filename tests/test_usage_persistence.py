@@ -2,7 +2,7 @@
 
 Run 1 starts without history (auto pins: none) and leaves its routing counts
 in the usage file; run 2, on the same model, budget and prompt, plans its pins
-from that file (`shared.budget.auto_pins`, what `--pinned-experts auto` does,
+from that file (`supervisor.budget.auto_pins`, what `--pinned-experts auto` does,
 with Colibri's thresholds scaled down to a tiny model), the coordinator
 preloads them before the first job, and it hits more. Greedy decoding and a serial residency
 policy make both hit rates deterministic, so the difference is the pins', not
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import shared.budget as budget
+import supervisor.budget as budget
 from shared.client import Client, JobError
 from shared.job_messages import TokenEvent
 from shared.pins import plan_expert_auto_pins

@@ -2,7 +2,7 @@
 
 Pure functions of the expert store and the options; nothing here creates a
 file, a segment or a process, so a budget that cannot start is refused before
-anything exists. `shared.launch` re-exports all of it.
+anything exists.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import psutil
 
 from shared.slab import check_slab_name
 
-logger = logging.getLogger("moeslab.stale")
+logger = logging.getLogger("moeslab.rundir")
 
 RUN_RECORD = "supervisor.json"
 RUN_DIR_PREFIX = "moeslab-"

@@ -1,7 +1,7 @@
-"""Spawn N I/O worker processes and connect an IOWorkerBackend to them.
+"""Spawn N I/O worker processes by their command line and connect an IOWorkerBackend to them.
 
-For tests and the bench (the supervisor will own spawning later and reuses
-`ioworker.spawn.spawn_io_worker`):
+For tests and the bench (`scripts/bench_io.py`); in a real system the
+supervisor spawns the workers and the coordinator only binds the backend:
 
     with Slab.create(total_slots=..., slot_bytes=...) as slab:
         async with IOWorkerPool(slab=slab, manifest=paths, workers=2) as pool:
@@ -22,11 +22,11 @@ import tempfile
 from collections.abc import Sequence
 
 from coordinator.backend import IOWorkerBackend
-from ioworker.main import WorkerConfig
-from ioworker.spawn import WorkerProcess, spawn_io_worker, stop_workers, wait_for_exit
 from native import DEFAULT_BLOCK_SIZE, OpenMode
 from native.staging import StagingRequest
 from shared.checks import require_int
+from shared.children import ChildProcess, spawn_child, stop_children, wait_for_exit
+from shared.commands import IO_WORKER_MODULE, IOWorkerArgs, child_command, io_worker_argv
 from shared.slab import Slab
 
 
@@ -52,6 +52,7 @@ class IOWorkerPool:
         start_timeout: float = 30.0,
         log_level: str = "INFO",
         test_read_delay_ms: float = 0.0,
+        replacement_grace_s: float = 0.0,
     ) -> None:
         self.slab = slab
         self.manifest = tuple(os.path.abspath(os.fspath(path)) for path in manifest)
@@ -66,11 +67,11 @@ class IOWorkerPool:
             test_read_delay_ms=test_read_delay_ms,
         )
         self._hint_capacity = hint_capacity
+        self._grace = replacement_grace_s
         self._start_timeout = start_timeout
         self.run_dir: str | None = None
-        self.processes: list[WorkerProcess] = []
+        self.processes: list[ChildProcess] = []  # by worker index
         self._backend: IOWorkerBackend | None = None
-        self._death_w: int | None = None
         self._watcher: asyncio.Task[None] | None = None
 
     @property
@@ -98,23 +99,20 @@ class IOWorkerPool:
                 workers=self.workers,
                 files=len(self.manifest),
                 hint_capacity=self._hint_capacity,
+                replacement_grace_s=self._grace,
             )
-            death_r, self._death_w = os.pipe()
-            try:
-                for index in range(self.workers):
-                    config = WorkerConfig(
-                        index=index,
-                        endpoint=self._backend.endpoint,
-                        manifest=manifest_path,
-                        slab_name=self.slab.name,
-                        total_slots=self.slab.total_slots,
-                        slot_bytes=self.slab.slot_bytes,
-                        death_fd=death_r,
-                        **self._options,
-                    )  # type: ignore[arg-type]
-                    self.processes.append(spawn_io_worker(config))
-            finally:
-                os.close(death_r)  # the children hold it now
+            for index in range(self.workers):
+                args = IOWorkerArgs(
+                    index=index,
+                    endpoint=self._backend.endpoint,
+                    manifest=manifest_path,
+                    slab_name=self.slab.name,
+                    total_slots=self.slab.total_slots,
+                    slot_bytes=self.slab.slot_bytes,
+                    **self._options,
+                )  # type: ignore[arg-type]
+                command = child_command(IO_WORKER_MODULE, io_worker_argv(args))
+                self.processes.append(spawn_child(f"I/O worker {index}", command))
             await self._backend.start(timeout=self._start_timeout, processes=self.processes)
             self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="ioworker-watch")
         except BaseException:
@@ -128,13 +126,12 @@ class IOWorkerPool:
             self._watcher = None
         if self._backend is not None:
             self._backend.shutdown_workers()
-        if self.processes:  # a clean shutdown first; then the death pipe stops any still starting
+        if self.processes:  # a clean shutdown first; then the death pipes stop any still starting
             await asyncio.to_thread(wait_for_exit, self.processes, timeout=min(2.0, timeout))
-        if self._death_w is not None:
-            os.close(self._death_w)
-            self._death_w = None
-        if self.processes:
-            await asyncio.to_thread(stop_workers, self.processes, timeout=timeout)
+            for process in self.processes:
+                process.close_death_pipe()
+            await asyncio.to_thread(wait_for_exit, self.processes, timeout=timeout)
+            await asyncio.to_thread(stop_children, self.processes, timeout=timeout)
         if self._backend is not None:
             await self._backend.aclose()
         if self.run_dir is not None:
@@ -145,10 +142,10 @@ class IOWorkerPool:
         reported: set[int] = set()
         while True:
             await asyncio.sleep(0.2)
-            for process in self.processes:
-                if process.index not in reported and process.exit_code is not None:
-                    reported.add(process.index)
-                    self.backend.worker_lost(process.index, process.describe_exit())
+            for index, process in enumerate(self.processes):
+                if index not in reported and process.exit_code is not None:
+                    reported.add(index)
+                    self.backend.worker_lost(index, process.describe())
 
 
 __all__ = ["IOWorkerPool"]

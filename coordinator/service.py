@@ -1,0 +1,390 @@
+"""The running coordinator: its state, the GPU worker's session, and the job front door's host.
+
+`Coordinator` ties the parts together: the I/O backend (metered, optionally
+fence-checked), the residency manager, the lease service, the usage ledger,
+safe points and job statistics. Its tasks serve the GPU worker's ROUTER
+(the lease protocol and job messages), the clients' ROUTER (through
+`coordinator.jobs.JobFrontDoor`, for which it is the `JobHost`), and watch
+the GPU worker's pid. `coordinator.main` builds it and runs its tasks.
+
+Safe points (`coordinator.safepoint`): after each `fenced` sent to the GPU
+worker and each `token` relayed, the footprint is checked (rate-limited);
+between jobs, the footprint, live repin, heat decay and a ledger flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import psutil
+import zmq
+import zmq.asyncio
+
+from coordinator.backend import IOWorkerBackend
+from coordinator.jobs import FrontDoorLimits, JobFrontDoor
+from coordinator.leases import LeaseService
+from coordinator.residency import ExpertResidencyManager
+from coordinator.safepoint import FootprintMeter, MeteredBackend, SafePoints
+from coordinator.stats import JobBook, LoadTimer
+from coordinator.test_hooks import HookedBackend, wrap_backend
+from coordinator.usage import ExpertUsageLedger
+from shared.config import RunConfig
+from shared.gpu_messages import (
+    COORDINATOR_ACCEPTS_FROM_GPU,
+    Fence,
+    Fenced,
+    GpuGoodbye,
+    GpuHello,
+    GpuReady,
+    GpuWelcome,
+    JobDone,
+    JobError,
+    Routes,
+    Token,
+)
+from shared.job_messages import MAX_REQUEST_BYTES, PRESSURE, SHUTTING_DOWN, HealthReply, JobStats
+from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode, encode
+from shared.slab import Slab
+from shared.store import ExpertStore
+
+logger = logging.getLogger("coordinator")
+
+NOT_READY = "not_ready"
+WATCH_INTERVAL_S = 0.5
+# A frame over ZMQ_MAXMSGSIZE is not refused: it drops the peer's connection. The jobs and GPU
+# sockets must take the largest legal `generate` (1 Mi prompt tokens at up to 9 msgpack bytes) and
+# `job_done`; the I/O socket (the backend's own) keeps the protocol default. The jobs socket takes
+# frames well beyond the largest legal request, so an oversized one can still be answered
+# (`message_too_large`, by the front door) instead of silently dropping the client.
+GPU_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+JOBS_MAX_MESSAGE_BYTES = 2 * MAX_REQUEST_BYTES + 8 * 1024 * 1024
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class _GpuSession:
+    epoch: int = 0
+    identity: bytes | None = None
+    pid: int = 0
+    ready: bool = False
+    dense_bytes: int = 0
+    wrap_path: str = "copy"
+    leaving: str = ""  # the worker's goodbye: why it exits (its exit is then not a loss)
+
+
+class Coordinator:
+    """The running coordinator's state; the job front door's `JobHost`."""
+
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        store: ExpertStore,
+        slab: Slab,
+        io: IOWorkerBackend,
+        gpu_sock: zmq.asyncio.Socket,
+        jobs_sock: zmq.asyncio.Socket,
+        ledger: ExpertUsageLedger | None,
+    ) -> None:
+        self.config, self.store, self.slab, self.ledger = config, store, slab, ledger
+        self.io, self.gpu_sock, self.jobs_sock = io, gpu_sock, jobs_sock
+        self.gpu = _GpuSession()
+        self.hooked = wrap_backend(io, config.test_hooks, slab=slab)
+        self.timer = LoadTimer()
+        if config.test_footprint_offset_bytes:
+            logger.warning(
+                "TEST KNOB: %d bytes are added to every measured footprint", config.test_footprint_offset_bytes
+            )
+        self.meter = FootprintMeter(
+            slab=slab,
+            pids=self._pids,
+            dense_bytes=lambda: self.gpu.dense_bytes,
+            interval_s=config.footprint_interval_ms / 1e3,
+            offset=config.test_footprint_offset_bytes,
+        )
+        self.backend = MeteredBackend(self.hooked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
+        self.manager = ExpertResidencyManager(
+            plan=config.plan,
+            sparse_layer_ids=store.sparse_layers,
+            backend=self.backend,
+            locate=store.locate,
+            pinned=[tuple(pair) for pair in config.pinned],
+            usage=ledger,
+        )
+        self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
+        self.safepoints = SafePoints(
+            manager=self.manager,
+            backend=self.backend,
+            meter=self.meter,
+            ledger=ledger,
+            tolerance=config.pressure_tolerance_bytes,
+            flush_interval_s=config.usage_flush_s,
+        )
+        self.book = JobBook(leases=self.leases, manager=self.manager, meter=self.meter, timer=self.timer)
+        self.front = JobFrontDoor(
+            host=self, limits=FrontDoorLimits.for_model(store.config, queue_limit=config.queue_limit)
+        )
+        self.io_ready = False
+        self.stopping = False
+        self._violations = 0
+        self._fallback_ops = 0
+
+    # ------------------------------------------------------------ tasks
+
+    async def start_io(self) -> None:
+        await self.io.start(timeout=self.config.start_timeout_s)
+        self.meter.sample(force=True)  # the coordinator's and the I/O workers' baselines
+        if self.config.pinned:
+            await self.manager.preload_pinned()
+            preload = self.manager.drain_policy_telemetry()  # not the first live repin's
+            logger.info(
+                "preloaded %d pinned experts: %d loads, %d bytes read",
+                len(self.config.pinned),
+                preload.loads,
+                preload.read_bytes,
+            )
+        self.io_ready = True
+        logger.info("%d I/O workers ready", self.config.io_workers)
+        self.front.poke()
+
+    async def serve_gpu(self) -> None:
+        while True:
+            frames = await self.gpu_sock.recv_multipart()
+            try:
+                await self._gpu_message(frames)
+            except Exception:  # a bad message must never stop the coordinator
+                logger.exception("failed to handle a GPU worker message")
+
+    async def serve_jobs(self) -> None:
+        while True:
+            frames = await self.jobs_sock.recv_multipart()
+            try:
+                await self.front.handle_client(frames)
+            except Exception:
+                logger.exception("failed to handle a client message")
+
+    async def watch_gpu(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.gpu.identity is not None and not _alive(self.gpu.pid):
+                await self._gpu_lost(f"GPU worker pid {self.gpu.pid} exited", expected=bool(self.gpu.leaving))
+
+    # ------------------------------------------------------ the GPU worker
+
+    async def _gpu_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            if len(frames) > 2:
+                self._send(
+                    self.gpu_sock, frames[0], ErrorReply(BAD_REQUEST, f"expected one frame, got {len(frames) - 1}")
+                )
+            return
+        identity, payload = frames
+        try:
+            message = decode(payload, COORDINATOR_ACCEPTS_FROM_GPU)
+        except ProtocolError as error:
+            logger.warning("refused a GPU worker frame: %s", error.message)
+            self._send(self.gpu_sock, identity, ErrorReply(error.code, error.message))
+            return
+        if isinstance(message, GpuHello):
+            await self._gpu_hello(identity, message)
+            return
+        if identity != self.gpu.identity:
+            self._send(
+                self.gpu_sock,
+                identity,
+                ErrorReply(BAD_REQUEST, f"{message.OP} before gpu_hello (or from a GPU worker that was replaced)"),
+            )
+            return
+        if isinstance(message, GpuReady):
+            self._gpu_ready(identity, message)
+        elif isinstance(message, GpuGoodbye):
+            logger.info("GPU worker pid %d is exiting (%s)", message.pid, message.reason)
+            self.gpu = replace(self.gpu, ready=False, leaving=message.reason or "goodbye")
+        elif isinstance(message, (Routes, Fence)):
+            if not self.io_ready:
+                self._send(self.gpu_sock, identity, ErrorReply(NOT_READY, "the I/O workers are not ready yet"))
+                return
+            epoch = self.gpu.epoch
+            reply = await self.leases.handle(message)
+            if self.gpu.epoch != epoch:  # the worker was lost while its wave was being loaded
+                self.leases.release_for_lost_worker("lost while its wave was being loaded")
+                return
+            self._send(self.gpu_sock, identity, reply)
+            if isinstance(reply, Fenced):  # the end of a forward step: nothing is leased
+                self._safe_point()
+        elif isinstance(message, (Token, JobDone, JobError)):
+            await self.front.on_gpu(message)
+            if isinstance(message, Token):
+                self._safe_point()
+        elif isinstance(message, ErrorReply):
+            logger.warning("the GPU worker reported %s: %s", message.code, message.message)
+
+    async def _gpu_hello(self, identity: bytes, hello: GpuHello) -> None:
+        current = self.gpu
+        if current.identity is not None:
+            if current.identity == identity and current.pid == hello.pid:
+                logger.info("GPU worker pid %d said hello again", hello.pid)
+                self._welcome(identity)
+                return
+            if current.pid != hello.pid and _alive(current.pid):
+                # Releasing a live worker's lease could let a slot be rewritten under its reads.
+                message = f"GPU worker pid {current.pid} is connected and alive; refusing pid {hello.pid}"
+                logger.warning("%s", message)
+                self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
+                return
+            await self._gpu_lost(f"a new GPU worker (pid {hello.pid}) said hello")
+        self.gpu = _GpuSession(epoch=self.gpu.epoch + 1, identity=identity, pid=hello.pid)
+        logger.info("GPU worker pid %d connected", hello.pid)
+        self._welcome(identity)
+
+    def _welcome(self, identity: bytes) -> None:
+        plan = self.config.plan
+        self._send(
+            self.gpu_sock,
+            identity,
+            GpuWelcome(
+                slab_name=self.slab.name,
+                total_slots=plan.total_slots,
+                slot_bytes=plan.slot_bytes,
+                working_slots=plan.working_slots,
+                block_size=self.store.block_size,
+            ),
+        )
+
+    def _gpu_ready(self, identity: bytes, ready: GpuReady) -> None:
+        if tuple(ready.sparse_layers) != tuple(self.store.sparse_layers):
+            message = (
+                f"GPU worker's sparse layers {list(ready.sparse_layers)} are not the store's "
+                f"{list(self.store.sparse_layers)}"
+            )
+            logger.error("%s", message)
+            self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
+            return
+        self.gpu = _GpuSession(
+            epoch=self.gpu.epoch,
+            identity=identity,
+            pid=self.gpu.pid,
+            ready=True,
+            dense_bytes=ready.dense_bytes,
+            wrap_path=ready.wrap_path,
+        )
+        logger.info(
+            "GPU worker pid %d ready: %d dense bytes, wrap path %s", ready.pid, ready.dense_bytes, ready.wrap_path
+        )
+        self.meter.sample(force=True)  # its baseline: Python, libraries, tokenizer and the dense weights
+        self.front.poke()
+
+    async def _gpu_lost(self, reason: str, *, expected: bool = False) -> None:
+        if expected:  # it said goodbye first: a stop, not a failure (any job was already answered)
+            logger.info("GPU worker gone: %s after its goodbye", reason)
+        else:
+            logger.error("GPU worker lost: %s", reason)
+        self.gpu = _GpuSession(epoch=self.gpu.epoch + 1)
+        self.leases.release_for_lost_worker(reason)
+        await self.front.gpu_lost(reason)
+
+    # ------------------------------------------------------ JobHost
+
+    def send_client(self, identity: bytes, message: object) -> bool:
+        return self._send(self.jobs_sock, identity, message)
+
+    def send_gpu(self, message: object) -> bool:
+        return self.gpu.identity is not None and self._send(self.gpu_sock, self.gpu.identity, message)
+
+    def ready(self) -> bool:
+        return self.io_ready and self.gpu.ready and not self.stopping
+
+    def health(self, request_id: str) -> HealthReply:
+        return HealthReply(
+            id=request_id,
+            ready=self.ready(),
+            pid=os.getpid(),
+            io_workers=len(self.io.worker_modes()),
+            gpu_worker=self.gpu.ready,
+            accepting=not self.stopping,
+        )
+
+    def begin_job(self, job_id: int) -> None:
+        self.book.begin()
+        self._violations = self._hook_violations()
+
+    async def end_job(self, job_id: int, done: JobDone | None, relayed: int) -> tuple[JobStats, str | None]:
+        try:
+            fallback = sum(t.fallback_ops for t in await self.io.request_telemetry(timeout=2.0))
+        except Exception as error:  # telemetry is a nicety; the job's answer must not wait on it
+            logger.warning("I/O worker telemetry unavailable: %s", error)
+            fallback = self._fallback_ops
+        fallback_delta, self._fallback_ops = max(0, fallback - self._fallback_ops), fallback
+        stats = self.book.end(done, relayed=relayed, wrap_path=self.gpu.wrap_path, io_fallback_ops=fallback_delta)
+        violations = self._hook_violations() - self._violations
+        if isinstance(self.hooked, HookedBackend):
+            hooked = self.hooked
+            logger.info(
+                "test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
+                job_id,
+                hooked.scribbles,
+                hooked.restores,
+                hooked.verified,
+                hooked.violations,
+            )
+        problem = None
+        if violations:
+            messages = self.hooked.messages[-violations:] if isinstance(self.hooked, HookedBackend) else []
+            problem = f"{violations} test hook violation(s): " + "; ".join(messages[:5])
+        return stats, problem
+
+    async def between_jobs(self) -> None:
+        if self.leases.held is None and not self.manager.active and not self.stopping:
+            await self.safepoints.between_jobs()
+
+    def cumulative_stats(self) -> JobStats:
+        return self.book.cumulative()
+
+    # ------------------------------------------------------ helpers
+
+    def _hook_violations(self) -> int:
+        return self.hooked.violations if isinstance(self.hooked, HookedBackend) else 0
+
+    def _safe_point(self) -> None:
+        """Inside a job, between two forward steps: the footprint check, and a failure if it cannot be met."""
+        job = self.front.running
+        if job is None or job.failure is not None or self.leases.held is not None or self.manager.active:
+            return
+        report = self.safepoints.step()
+        if report is not None and report.failed:
+            self.front.fail_running(PRESSURE, report.message())
+
+    def _pids(self) -> list[int]:
+        """The processes whose memory counts: this one, the ready I/O workers, the ready GPU worker."""
+        pids = [os.getpid(), *self.io.worker_pids().values()]
+        return pids + [self.gpu.pid] if self.gpu.ready else pids
+
+    def _send(self, sock: zmq.asyncio.Socket, identity: bytes, message: object) -> bool:
+        try:
+            sent = sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT)  # type: ignore[arg-type]
+        except zmq.ZMQError as error:
+            logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
+            return False
+        error = sent.exception() if sent.done() else None  # DONTWAIT resolves at once
+        if error is not None:
+            logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        """Answer queued and running jobs, ask the I/O workers to exit; the caller closes the sockets."""
+        self.stopping = True
+        self.front.shutdown(SHUTTING_DOWN, "the coordinator is shutting down")
+        self.io.shutdown_workers()
+
+
+__all__ = ["GPU_MAX_MESSAGE_BYTES", "JOBS_MAX_MESSAGE_BYTES", "NOT_READY", "Coordinator"]

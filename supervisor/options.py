@@ -1,0 +1,166 @@
+"""The supervisor's command line (`moeslab-launch`): every flag, checked, as one frozen `SupervisorOptions`.
+
+A bad value is refused by argparse with the flag and the value named (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.config import check_compute_lanes, check_jobs_endpoint
+from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, parse_size
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    max_restarts: int = 5  # per child, within window_s
+    window_s: float = 60.0
+
+    def backoff(self, deaths: int) -> float:
+        """The pause before restarting a child that died `deaths` times in the window."""
+        return 0.0 if deaths <= 1 else min(0.5 * 2 ** (deaths - 2), 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorOptions:
+    model: str
+    memory_budget: int
+    io_workers: int = 2
+    working_slots: int | None = None
+    slots_per_layer: int | None = None
+    pinned_experts: int | str = 0  # a count or "auto"
+    io_mode: str = "direct"
+    run_dir: str | None = None
+    endpoint: str | None = None
+    usage_file: str | None = None
+    log_level: str = "INFO"
+    kv_reserve: int = DEFAULT_KV_RESERVE_BYTES
+    start_timeout: float = 120.0
+    restart: RestartPolicy = RestartPolicy()
+    compute_lanes: int | None = None  # None: the GPU worker's auto choice
+    test_io_read_delay_ms: float = 0.0
+    test_hooks: tuple[str, ...] = ()
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _lanes(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return check_compute_lanes(_count(1)(text), name="N")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _pins(text: str) -> int | str:
+    return "auto" if text == "auto" else _count(0)(text)
+
+
+def _endpoint(text: str) -> str:
+    try:
+        return check_jobs_endpoint(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
+    parser = argparse.ArgumentParser(prog="moeslab-launch", description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", required=True, metavar="DIR", help="the mlx-lm model directory")
+    add(
+        "--memory-budget",
+        required=True,
+        type=_size,
+        metavar="SIZE",
+        help="total for dense weights, KV reserve and slab: 8GiB, 512MiB, 1.5GB or bytes",
+    )
+    add("--io-workers", type=_count(1), default=2, metavar="N")
+    add("--working-slots", type=_count(1), default=None, metavar="N")
+    add(
+        "--slots-per-layer",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="upper bound on resident slots per sparse layer",
+    )
+    add("--pinned-experts", type=_pins, default=0, metavar="N|auto")
+    add("--io-mode", choices=("direct", "buffered"), default="direct")
+    add(
+        "--compute-lanes",
+        type=_lanes,
+        default=None,
+        metavar="N|auto",
+        help="MLX streams a decode step's experts compute on (auto: 2 on a CPU with 2+ cores, else 1)",
+    )
+    add("--run-dir", default=None, metavar="DIR", help="default: a fresh private directory")
+    add(
+        "--endpoint",
+        type=_endpoint,
+        default=None,
+        metavar="URL",
+        help="jobs endpoint (default ipc://RUN_DIR/jobs; tcp://127.0.0.1:PORT allowed, loopback only)",
+    )
+    add("--usage-file", default=None, metavar="PATH", help="the expert usage ledger")
+    add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
+    add("--kv-reserve", type=_size, default=DEFAULT_KV_RESERVE_BYTES, metavar="SIZE")
+    add("--start-timeout", type=_seconds, default=120.0, metavar="S", help="for a child to become ready")
+    add("--max-restarts", type=_count(0), default=5, metavar="N", help="per child, within --restart-window")
+    add("--restart-window", type=_seconds, default=60.0, metavar="S")
+    add("--test-io-read-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    add("--test-hooks", default="", help=argparse.SUPPRESS)  # comma-separated coordinator test hooks
+    ns = parser.parse_args(argv)
+    return SupervisorOptions(
+        model=ns.model,
+        memory_budget=ns.memory_budget,
+        io_workers=ns.io_workers,
+        working_slots=ns.working_slots,
+        slots_per_layer=ns.slots_per_layer,
+        pinned_experts=ns.pinned_experts,
+        io_mode=ns.io_mode,
+        run_dir=ns.run_dir,
+        endpoint=ns.endpoint,
+        usage_file=ns.usage_file,
+        log_level=ns.log_level,
+        kv_reserve=ns.kv_reserve,
+        start_timeout=ns.start_timeout,
+        restart=RestartPolicy(max_restarts=ns.max_restarts, window_s=ns.restart_window),
+        compute_lanes=ns.compute_lanes,
+        test_io_read_delay_ms=ns.test_io_read_delay_ms,
+        test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook),
+    )
+
+
+__all__ = ["LOG_LEVELS", "RestartPolicy", "SupervisorOptions", "parse_args"]
