@@ -15,18 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from shared.store import (
-    SLOT_ALIGNMENT,
-    ExpertStore,
-    ExpertTensorSpec,
-    SlotTensor,
-    StoreError,
-    _align_up,
-    _plan_expert,
-    mlx_dtype,
-    numpy_dtype,
-    slot_view,
-)
+from shared.checkpoint import ExpertTensorSpec
+from shared.safetensors_index import StoreError, mlx_dtype, numpy_dtype
+from shared.store import SLOT_ALIGNMENT, ExpertStore, SlotTensor, _align_up, _plan_expert, slot_view
 from tests.tiny_models import write_tiny_model
 
 # (family, quantized, layout): every combination mlx-lm itself can load.
