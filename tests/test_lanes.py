@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuworker import lanes as lanes_module
+from gpuworker.expert_provider import LeasedWave
 from gpuworker.lanes import AUTO_CPU_LANES, MAX_LANES, decode_parts, lane_stream, resolve_lanes
 from gpuworker.lease_client import LeaseClient
 from gpuworker.main import GpuWorkerConfig, parse_args, worker_arguments
-from gpuworker.streamed import LeasedWave
 from shared.config import MAX_COMPUTE_LANES
 from shared.launch import start_system
 from shared.supervisor import parse_args as supervisor_args
