@@ -16,7 +16,7 @@ from collections import deque
 
 import zmq
 
-from gpuworker.streamed import ExpertProviderError
+from gpuworker.expert_provider import ExpertProviderError
 from shared.gpu_messages import GPU_WORKER_ACCEPTS, GpuWelcome, Job, JobCancel
 from shared.process import ProcessLife
 from shared.protocol import BAD_FRAME, BAD_REQUEST, ErrorReply, ProtocolError, decode, encode, error_frame

@@ -2,11 +2,9 @@
 
 The model's forward pass is synchronous, so is this client: `acquire` sends
 `Routes` and blocks for the `Lease` of wave 0; each later wave is leased
-lazily, when the module takes it, by `Fence(previous, next=True)`. The wave
-partition is the coordinator's (`build_expert_batch_union`: unique experts in
-first-seen row-major order, chunks of `working_slots`), predicted here so the
-module knows every wave's experts up front and each lease can be checked
-against it.
+lazily, when the module takes it, by `Fence(previous, next=True)`. Every
+wave is predicted up front (`shared.waves.wave_partition`, the coordinator's
+own rule) and each lease checked against it (`gpuworker.lease_visit`).
 
 Fences are deferred, never early: a wave fenced by the module is only marked
 done; the coordinator hears of it when the next wave is wanted (`next=True`),
@@ -23,7 +21,8 @@ take turns over that many MLX streams. Every part is copied before the
 wave's fence, like a whole wave.
 
 Waiting for replies (and for cancels, jobs and garbage arriving meanwhile)
-is `gpuworker.channel.Channel`'s.
+is `gpuworker.channel.Channel`'s; what the leases cost is counted in
+`gpuworker.lease_stats`.
 """
 
 from __future__ import annotations
@@ -31,81 +30,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-from gpuworker.channel import Channel, LeaseError, ParentGone, WorkerStopping
+from gpuworker.channel import Channel, LeaseError, WorkerStopping
+from gpuworker.expert_provider import ExpertProviderError, LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
+from gpuworker.lease_stats import DECODE, END_STEP, PREFILL, LeaseClientStats, LeaseCounters
+from gpuworker.lease_visit import Visit, check_lease, visit_wave
 from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, slot_arrays, stacked_slot_arrays, zero_copy_supported
-from gpuworker.streamed import ExpertProviderError, LeasedWave
 from shared.config import check_compute_lanes
 from shared.gpu_messages import Fence, Fenced, Lease, RouteMatrix, Routes
 from shared.waves import wave_partition
 
-__all__ = [
-    "Channel",
-    "LayerLeaseStats",
-    "LeaseClient",
-    "LeaseError",
-    "LeaseStats",
-    "ParentGone",
-    "WorkerStopping",
-]
+__all__ = ["LeaseClient"]
 
 logger = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- the provider
-
-
-DECODE, PREFILL = "decode", "prefill"
-END_STEP = -1  # the `layer` of the fence round trip after a forward pass (not a layer visit)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerLeaseStats:
-    """One layer's share of a job, for one phase (a visit of one route row is decode)."""
-
-    layer: int  # END_STEP: the fences sent after forward passes
-    phase: str  # DECODE | PREFILL
-    visits: int = 0
-    round_trips: int = 0
-    wait_ms: float = 0.0  # routes -> lease and fence -> lease/fenced round trips
-    copy_ms: float = 0.0  # slots -> mx arrays
-    experts: int = 0  # experts leased (unique per visit)
-    hits: int = 0  # of which already resident (the coordinator's count)
-    bytes_copied: int = 0
-    exposed_copy_ms: float = 0.0  # of copy_ms, what no compute overlapped (all but later decode parts)
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseStats:
-    round_trips: int = 0
-    leases: int = 0
-    lease_wait_ms: float = 0.0
-    bytes_copied: int = 0
-    copy_ms: float = 0.0
-    wrap_path: str = COPY
-    layers: tuple[LayerLeaseStats, ...] = ()  # per (layer, phase), sorted
-    compute_lanes: int = 1  # MLX streams a decode wave's parts ran on (copy path)
-    lane_parts: tuple[int, ...] = ()  # decode parts handed out per lane
-
-
-@dataclass(slots=True)
-class _Visit:
-    """One `acquire`: the predicted waves and the lease each one got (None: not yet/never)."""
-
-    layer: int
-    waves: list[tuple[int, ...]]
-    leases: list[Lease | None] = field(default_factory=list)
-    fenced: list[bool] = field(default_factory=list)
-    stacked: bool = False  # the waves' tensors come stacked (the copy path)
-
-
-class _Wave(LeasedWave):
-    __slots__ = ("index", "visit")
 
 
 class LeaseClient:
@@ -135,7 +76,7 @@ class LeaseClient:
         self.working_slots = int(working_slots)
         self.reply_timeout_s = reply_timeout_s
         self.zero_copy = zero_copy
-        self._visit: _Visit | None = None
+        self._visit: Visit | None = None
         self._unsent: int | None = None  # a lease fenced here, not yet told to the coordinator
         self._unsent_last = False  # ... and it was its visit's last wave (may ride on Routes)
         wraps = zero_copy if zero_copy is not None else zero_copy_supported()
@@ -148,32 +89,17 @@ class LeaseClient:
         self._stack_pool = StackBuffers(max_pooled=top_k, max_sets=sets) if self.wrap_path == COPY else None
         self._pending: list[mx.array] = []  # outputs of detached waves that may still read the pool
         self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet
-        self._stats = _Counters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
+        self._stats = LeaseCounters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
         self._phase = DECODE
         self._bucket: list = self._stats.bucket(END_STEP, DECODE)  # where the next round trip is counted
 
     # -- telemetry --------------------------------------------------------------------------------
 
-    def stats(self) -> LeaseStats:
-        s = self._stats
-        layers = tuple(
-            LayerLeaseStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3)
-            for (layer, phase), c in sorted(s.layers.items(), key=lambda item: (item[0][1], item[0][0]))
-        )
-        return LeaseStats(
-            s.round_trips,
-            s.leases,
-            s.wait_s * 1e3,
-            s.bytes_copied,
-            s.copy_s * 1e3,
-            s.wrap_path,
-            layers,
-            self.compute_lanes,
-            tuple(s.lane_parts),
-        )
+    def stats(self) -> LeaseClientStats:
+        return self._stats.snapshot(compute_lanes=self.compute_lanes)
 
     def reset_stats(self) -> None:
-        self._stats = _Counters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
+        self._stats = LeaseCounters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
         self._bucket = self._stats.bucket(END_STEP, DECODE)
 
     @property
@@ -195,7 +121,7 @@ class LeaseClient:
             self.release()
         waves = wave_partition(routes, self.working_slots)
         piggyback, self._unsent = self._unsent, None
-        visit = _Visit(layer, waves, [None] * len(waves), [False] * len(waves), stacked=self._stack_pool is not None)
+        visit = Visit(layer, waves, [None] * len(waves), [False] * len(waves), stacked=self._stack_pool is not None)
         self._visit = visit
         self._phase = DECODE if routes.shape[0] == 1 else PREFILL
         self._bucket = self._stats.bucket(layer, self._phase)
@@ -224,7 +150,7 @@ class LeaseClient:
             whole = lambda: self._wrap(layer, waves[0], lease)  # noqa: E731  (a module that takes it whole)
             lanes = part_lanes(len(parts), self.compute_lanes)
             return [
-                _make_wave(
+                visit_wave(
                     visit,
                     0,
                     whole,
@@ -233,9 +159,9 @@ class LeaseClient:
                     take_part=lambda index: self._wrap_part(layer, parts[index], index, lease, lane=lanes[index]),
                 )
             ]
-        result = [_make_wave(visit, 0, first)]
+        result = [visit_wave(visit, 0, first)]
         for index in range(1, len(waves)):
-            result.append(_make_wave(visit, index, lambda index=index: self._load_next(visit, index)))
+            result.append(visit_wave(visit, index, lambda index=index: self._load_next(visit, index)))
         return result
 
     def fence(self, wave: LeasedWave) -> None:
@@ -364,7 +290,7 @@ class LeaseClient:
         self._bucket[5] += reply.hits
         return reply
 
-    def _load_next(self, visit: _Visit, index: int) -> list[dict[str, mx.array]]:
+    def _load_next(self, visit: Visit, index: int) -> list[dict[str, mx.array]]:
         """Wave `index`'s tensors: only now, after wave index-1's fence, may its slots be filled."""
         previous = visit.leases[index - 1]
         if previous is None or not visit.fenced[index - 1] or self._unsent != previous.lease_id:
@@ -392,11 +318,11 @@ class LeaseClient:
         except LeaseError as error:
             logger.info("settling lease %d: %s", lease_id, error)
 
-    def _admit(self, visit: _Visit, index: int, lease: Lease, *, wrap: bool = True):
+    def _admit(self, visit: Visit, index: int, lease: Lease, *, wrap: bool = True):
         """Check `lease` is wave `index` of `visit`, and wrap its slots (unless `wrap` is False:
         the module takes them later); on failure fence it unread."""
         try:
-            self._check(visit, index, lease)
+            check_lease(visit, index, lease, total_slots=self.total_slots, working_slots=self.working_slots)
             visit.leases[index] = lease
             return self._wrap(visit.layer, visit.waves[index], lease) if wrap else None
         except BaseException:
@@ -409,28 +335,6 @@ class LeaseClient:
             except Exception:
                 logger.exception("fence of refused lease %d failed", lease.lease_id)
             raise
-
-    def _check(self, visit: _Visit, index: int, lease: Lease) -> None:
-        where = f"lease {lease.lease_id} (layer {visit.layer} wave {index})"
-        want = visit.waves[index]
-        if lease.layer != visit.layer:
-            raise LeaseError(f"{where}: names layer {lease.layer}")
-        if lease.wave != index or lease.waves != len(visit.waves):
-            raise LeaseError(
-                f"{where}: is wave {lease.wave} of {lease.waves}; expected wave {index} "
-                f"of {len(visit.waves)} (working bank {self.working_slots})"
-            )
-        if not (len(lease.experts) == len(lease.slots) == len(lease.generations)):
-            raise LeaseError(
-                f"{where}: {len(lease.experts)} experts, {len(lease.slots)} slots, {len(lease.generations)} generations"
-            )
-        if len(set(lease.experts)) != len(lease.experts) or set(lease.experts) != set(want):
-            raise LeaseError(f"{where}: leases experts {list(lease.experts)}; the wave routes {sorted(want)}")
-        bad = [slot for slot in lease.slots if slot >= self.total_slots]
-        if bad:
-            raise LeaseError(f"{where}: slots {bad} are outside the slab's {self.total_slots} slots")
-        if len(set(lease.slots)) != len(lease.slots):
-            raise LeaseError(f"{where}: a slot is leased twice: {list(lease.slots)}")
 
     def _wrap_part(
         self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease, *, lane: int
@@ -451,7 +355,9 @@ class LeaseClient:
             tag=index,
         )
         # Later parts copy while the part before computes: only part 0's copy is exposed.
-        self._count_copy(time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=index == 0)
+        self._stats.count_copy(
+            self._bucket, time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=index == 0
+        )
         self._stats.lane_parts[lane] += 1
         return tensors
 
@@ -461,15 +367,6 @@ class LeaseClient:
         if self._pending:
             mx.eval(*self._pending)
             self._pending.clear()
-
-    def _count_copy(self, elapsed: float, copied: int, path: str, *, exposed: bool) -> None:
-        self._stats.wrap_path = path
-        self._stats.bytes_copied += copied
-        self._stats.copy_s += elapsed
-        self._bucket[3] += elapsed
-        self._bucket[6] += copied
-        if exposed:
-            self._bucket[7] += elapsed
 
     def _wrap(self, layer: int, expert_ids: tuple[int, ...], lease: Lease):
         """The wave's tensors: stacked in ascending expert id (copy path: one copy, into the
@@ -499,40 +396,5 @@ class LeaseClient:
                 )
                 copied += wrap.bytes_copied
                 tensors.append(arrays)
-        self._count_copy(time.perf_counter() - started, copied, wrap.path, exposed=True)
+        self._stats.count_copy(self._bucket, time.perf_counter() - started, copied, wrap.path, exposed=True)
         return tensors
-
-
-@dataclass(slots=True)
-class _Counters:
-    round_trips: int = 0
-    leases: int = 0
-    wait_s: float = 0.0
-    bytes_copied: int = 0
-    copy_s: float = 0.0
-    wrap_path: str = COPY
-    # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied, exposed copy s]
-    layers: dict[tuple[int, str], list] = field(default_factory=dict)
-    lane_parts: list[int] = field(default_factory=list)  # decode parts handed out per compute lane
-
-    def bucket(self, layer: int, phase: str) -> list:
-        found = self.layers.get((layer, phase))
-        if found is None:
-            found = self.layers[layer, phase] = [0, 0, 0.0, 0.0, 0, 0, 0, 0.0]
-        return found
-
-
-def _make_wave(visit: _Visit, index: int, tensors, *, parts=(), take_part=None, part_lanes=()) -> _Wave:
-    # The copy path's stacked tensors never read the slab: detached (fenced while computing).
-    wave = _Wave(
-        visit.waves[index],
-        tensors,
-        lease=(visit.layer, index),
-        stacked=visit.stacked,
-        detached=visit.stacked,
-        parts=parts,
-        take_part=take_part,
-        part_lanes=part_lanes,
-    )
-    wave.visit, wave.index = visit, index
-    return wave

@@ -28,8 +28,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model
 
+from gpuworker.expert_provider import ExpertProvider
 from gpuworker.slots import mlx_storage_dtype
-from gpuworker.streamed import ExpertParam, ExpertProvider, StreamedSwitch
+from gpuworker.streamed import ExpertParam, StreamedSwitch
 
 __all__ = [
     "SparseModule",

@@ -27,10 +27,10 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, save_config, save_model
 
 from gpuworker import streamed
+from gpuworker.expert_provider import ExpertProviderError, LeasedWave
 from gpuworker.lanes import decode_parts, lane_stream, part_lanes
 from gpuworker.model import check_against_store, load_streamed_model, streamed_switches
 from gpuworker.slots import slot_arrays
-from gpuworker.streamed import ExpertProviderError, LeasedWave
 from tests.tiny_models import FAMILIES, build_tiny_model, write_tiny_model, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

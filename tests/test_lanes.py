@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuworker import lanes as lanes_module
+from gpuworker.expert_provider import LeasedWave
 from gpuworker.lanes import AUTO_CPU_LANES, MAX_LANES, decode_parts, lane_stream, resolve_lanes
 from gpuworker.lease_client import LeaseClient
-from gpuworker.streamed import LeasedWave
 from shared.commands import GpuWorkerArgs, gpu_worker_argv, parse_gpu_worker_argv
 from shared.config import MAX_COMPUTE_LANES
 from supervisor.options import parse_args as supervisor_args

@@ -1,0 +1,100 @@
+"""The lease client's telemetry: what a job's leases cost the GPU worker, per layer and phase.
+
+`LeaseCounters` is what `gpuworker.lease_client.LeaseClient` adds to on its per-layer path:
+plain mutable totals and one list per (layer, phase) bucket, so a round trip or a copy
+(`count_copy`) costs a few in-place additions. `LeaseCounters.snapshot` freezes them into
+`LeaseClientStats` (with a `LayerLeaseClientStats` per bucket) for the job's stats reply.
+Kept apart from the protocol so the accounting and its report format are read in one place.
+The coordinator's own view of the same leases is `coordinator.leases`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuworker.slots import COPY
+
+__all__ = ["DECODE", "END_STEP", "PREFILL", "LayerLeaseClientStats", "LeaseClientStats", "LeaseCounters"]
+
+DECODE, PREFILL = "decode", "prefill"
+END_STEP = -1  # the `layer` of the fence round trip after a forward pass (not a layer visit)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLeaseClientStats:
+    """One layer's share of a job, for one phase (a visit of one route row is decode)."""
+
+    layer: int  # END_STEP: the fences sent after forward passes
+    phase: str  # DECODE | PREFILL
+    visits: int = 0
+    round_trips: int = 0
+    wait_ms: float = 0.0  # routes -> lease and fence -> lease/fenced round trips
+    copy_ms: float = 0.0  # slots -> mx arrays
+    experts: int = 0  # experts leased (unique per visit)
+    hits: int = 0  # of which already resident (the coordinator's count)
+    bytes_copied: int = 0
+    exposed_copy_ms: float = 0.0  # of copy_ms, what no compute overlapped (all but later decode parts)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseClientStats:
+    """What the lease client saw since its last `reset_stats` (a job, in `gpuworker.main`)."""
+
+    round_trips: int = 0
+    leases: int = 0
+    lease_wait_ms: float = 0.0
+    bytes_copied: int = 0
+    copy_ms: float = 0.0
+    wrap_path: str = COPY
+    layers: tuple[LayerLeaseClientStats, ...] = ()  # per (layer, phase), sorted
+    compute_lanes: int = 1  # MLX streams a decode wave's parts ran on (copy path)
+    lane_parts: tuple[int, ...] = ()  # decode parts handed out per lane
+
+
+@dataclass(slots=True)
+class LeaseCounters:
+    """The running totals behind `LeaseClientStats` (seconds, not milliseconds)."""
+
+    round_trips: int = 0
+    leases: int = 0
+    wait_s: float = 0.0
+    bytes_copied: int = 0
+    copy_s: float = 0.0
+    wrap_path: str = COPY
+    # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied, exposed copy s]
+    layers: dict[tuple[int, str], list] = field(default_factory=dict)
+    lane_parts: list[int] = field(default_factory=list)  # decode parts handed out per compute lane
+
+    def bucket(self, layer: int, phase: str) -> list:
+        found = self.layers.get((layer, phase))
+        if found is None:
+            found = self.layers[layer, phase] = [0, 0, 0.0, 0.0, 0, 0, 0, 0.0]
+        return found
+
+    def count_copy(self, bucket: list, elapsed: float, copied: int, path: str, *, exposed: bool) -> None:
+        """A copy of leased slots into mx arrays, of `bucket`'s layer; `exposed`: no compute overlapped it."""
+        self.wrap_path = path
+        self.bytes_copied += copied
+        self.copy_s += elapsed
+        bucket[3] += elapsed
+        bucket[6] += copied
+        if exposed:
+            bucket[7] += elapsed
+
+    def snapshot(self, *, compute_lanes: int) -> LeaseClientStats:
+        """The totals so far, in milliseconds, buckets sorted by (phase, layer)."""
+        layers = tuple(
+            LayerLeaseClientStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3)
+            for (layer, phase), c in sorted(self.layers.items(), key=lambda item: (item[0][1], item[0][0]))
+        )
+        return LeaseClientStats(
+            self.round_trips,
+            self.leases,
+            self.wait_s * 1e3,
+            self.bytes_copied,
+            self.copy_s * 1e3,
+            self.wrap_path,
+            layers,
+            compute_lanes,
+            tuple(self.lane_parts),
+        )

@@ -1,0 +1,77 @@
+"""One `acquire` as the lease client tracks it, and the check of each lease against it.
+
+`LeaseClient.acquire` predicts a layer's waves (`shared.waves.wave_partition`, the
+coordinator's own partition) and opens a `Visit`: the waves, the lease each one got and
+which ones the module fenced. `check_lease` holds every `Lease` the coordinator sends to
+that prediction (layer, wave position, experts, slots inside the slab) before any slot is
+read; `visit_wave` builds the `LeasedWave` the module takes, which remembers its visit and
+position so the client's `fence` can find the lease it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuworker.channel import LeaseError
+from gpuworker.expert_provider import LeasedWave
+from shared.gpu_messages import Lease
+
+__all__ = ["Visit", "VisitWave", "check_lease", "visit_wave"]
+
+
+def check_lease(visit: Visit, index: int, lease: Lease, *, total_slots: int, working_slots: int) -> None:
+    """Raise `LeaseError` unless `lease` is wave `index` of `visit`, in slots of the slab."""
+    where = f"lease {lease.lease_id} (layer {visit.layer} wave {index})"
+    want = visit.waves[index]
+    if lease.layer != visit.layer:
+        raise LeaseError(f"{where}: names layer {lease.layer}")
+    if lease.wave != index or lease.waves != len(visit.waves):
+        raise LeaseError(
+            f"{where}: is wave {lease.wave} of {lease.waves}; expected wave {index} "
+            f"of {len(visit.waves)} (working bank {working_slots})"
+        )
+    if not (len(lease.experts) == len(lease.slots) == len(lease.generations)):
+        raise LeaseError(
+            f"{where}: {len(lease.experts)} experts, {len(lease.slots)} slots, {len(lease.generations)} generations"
+        )
+    if len(set(lease.experts)) != len(lease.experts) or set(lease.experts) != set(want):
+        raise LeaseError(f"{where}: leases experts {list(lease.experts)}; the wave routes {sorted(want)}")
+    bad = [slot for slot in lease.slots if slot >= total_slots]
+    if bad:
+        raise LeaseError(f"{where}: slots {bad} are outside the slab's {total_slots} slots")
+    if len(set(lease.slots)) != len(lease.slots):
+        raise LeaseError(f"{where}: a slot is leased twice: {list(lease.slots)}")
+
+
+def visit_wave(visit: Visit, index: int, tensors, *, parts=(), take_part=None, part_lanes=()) -> VisitWave:
+    """Wave `index` of `visit` as the module takes it (`tensors`: loaded, or a loader)."""
+    # The copy path's stacked tensors never read the slab: detached (fenced while computing).
+    wave = VisitWave(
+        visit.waves[index],
+        tensors,
+        lease=(visit.layer, index),
+        stacked=visit.stacked,
+        detached=visit.stacked,
+        parts=parts,
+        take_part=take_part,
+        part_lanes=part_lanes,
+    )
+    wave.visit, wave.index = visit, index
+    return wave
+
+
+@dataclass(slots=True)
+class Visit:
+    """One `acquire`: the predicted waves and the lease each one got (None: not yet/never)."""
+
+    layer: int
+    waves: list[tuple[int, ...]]
+    leases: list[Lease | None] = field(default_factory=list)
+    fenced: list[bool] = field(default_factory=list)
+    stacked: bool = False  # the waves' tensors come stacked (the copy path)
+
+
+class VisitWave(LeasedWave):
+    """A `LeasedWave` of a `Visit`: `visit` and `index` lead the client's `fence` to its lease."""
+
+    __slots__ = ("index", "visit")
