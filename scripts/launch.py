@@ -4,7 +4,7 @@
     python scripts/launch.py --model DIR --memory-budget 8GiB
 
 Prints one JSON line (`{"event": "ready", ...}`) on stdout once every process is ready;
-logs go to stderr. See `supervisor/` (`supervisor/options.py` for the flags) and what it does on failures.
+logs go to stderr. Flags: `supervisor/options.py`; what it does on failures: `supervisor/watch.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/replay.py: the LRU and Belady baselines, pin choice, the real manager, the CLI."""
+"""scripts/replay.py and its instruments: the LRU and Belady baselines, pin choice, the real manager, the CLI."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from instruments.cache_policies import next_uses, simulate_belady, simulate_lru, unique_rows
+from instruments.replay_pins import choose_pins, plan_auto_pins, read_usage_counts
+from instruments.residency_replay import Capacity, replay
 from shared.trace import generate_trace, parse_trace, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("replay_script", REPO / "scripts" / "replay.py")
-replay = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = replay
-_spec.loader.exec_module(replay)
 
 
 def brute_force_optimum(rows, capacity, initial=()):
@@ -46,29 +45,29 @@ def test_lru_hand_worked_example():
     # capacity 2, one expert per visit: a b a c b a
     #   a miss [a]; b miss [a b]; a hit [b a]; c miss, evict b [a c];
     #   b miss, evict a [c b]; a miss, evict c [b a]
-    assert replay.simulate_lru([[1], [2], [1], [3], [2], [1]], capacity=2) == [0, 0, 1, 0, 0, 0]
+    assert simulate_lru([[1], [2], [1], [3], [2], [1]], capacity=2) == [0, 0, 1, 0, 0, 0]
     # visits of two: hits are judged before the visit; hits then misses become most recent
     #   [1 2] -> cache 1 2; [2 3]: hit 2, 3 evicts 1 -> 2 3; [1 2]: hit 2, 1 evicts 3 -> 2 1
-    assert replay.simulate_lru([[1, 2], [2, 3], [1, 2]], capacity=2) == [0, 1, 1]
+    assert simulate_lru([[1, 2], [2, 3], [1, 2]], capacity=2) == [0, 1, 1]
     # the LRU victim is requested in the same visit: still a hit, nothing reloaded
-    assert replay.simulate_lru([[1], [2], [3, 1]], capacity=2) == [0, 0, 1]
+    assert simulate_lru([[1], [2], [3, 1]], capacity=2) == [0, 0, 1]
     # initial (pinned) experts start resident, oldest first
-    assert replay.simulate_lru([[5], [6], [7], [5]], capacity=2, initial=[5]) == [1, 0, 0, 0]
+    assert simulate_lru([[5], [6], [7], [5]], capacity=2, initial=[5]) == [1, 0, 0, 0]
     # more unique experts than capacity: keep the last `capacity` of hits-then-misses
-    assert replay.simulate_lru([[1, 2, 3], [1, 3], [2]], capacity=2) == [0, 1, 0]
+    assert simulate_lru([[1, 2, 3], [1, 3], [2]], capacity=2) == [0, 1, 0]
 
 
 def test_next_uses_backward_pass():
-    following, first = replay.next_uses([[1, 2], [2], [3, 1], [2]])
+    following, first = next_uses([[1, 2], [2], [3, 1], [2]])
     assert following == [[2, 1], [3], [4, 4], [4]]
     assert first == {1: 0, 2: 0, 3: 2}
 
 
 def test_belady_hand_worked_example():
     # capacity 2: a b c a b — MIN keeps a, b at c (c never used again)
-    assert replay.simulate_belady([[1], [2], [3], [1], [2]], capacity=2) == [0, 0, 0, 1, 1]
+    assert simulate_belady([[1], [2], [3], [1], [2]], capacity=2) == [0, 0, 0, 1, 1]
     # the visit's own expert may be dropped: with capacity 1, [a] [b] [a] keeps a
-    assert replay.simulate_belady([[1], [2], [1]], capacity=1) == [0, 0, 1]
+    assert simulate_belady([[1], [2], [1]], capacity=1) == [0, 0, 1]
 
 
 visits = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), min_size=1, max_size=9)
@@ -79,53 +78,53 @@ visits = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=Tru
 def test_belady_equals_brute_force_and_bounds_lru(rows, capacity, data):
     initial = data.draw(st.lists(st.integers(0, 6), max_size=capacity, unique=True))
     best = brute_force_optimum(rows, capacity, initial)
-    belady = sum(replay.simulate_belady(rows, capacity=capacity, initial=initial))
-    lru = sum(replay.simulate_lru(rows, capacity=capacity, initial=initial))
+    belady = sum(simulate_belady(rows, capacity=capacity, initial=initial))
+    lru = sum(simulate_lru(rows, capacity=capacity, initial=initial))
     assert belady == best
     assert lru <= belady
 
 
 def test_belady_is_fast_enough_for_big_traces():
-    rows = replay.unique_rows(
+    rows = unique_rows(
         generate_trace(layers=1, experts=128, top_k=8, tokens=20000, overlap=0.4, seed=0).experts.tolist()
     )
-    belady = sum(replay.simulate_belady(rows, capacity=16))
-    assert sum(replay.simulate_lru(rows, capacity=16)) <= belady <= sum(map(len, rows))
+    belady = sum(simulate_belady(rows, capacity=16))
+    assert sum(simulate_lru(rows, capacity=16)) <= belady <= sum(map(len, rows))
 
 
 def test_choose_pins_from_trace_and_from_usage_file(tmp_path):
     trace = parse_trace(["0 0 1 2\n", "0 1 3 4\n", "1 0 1 5\n", "1 1 3 4\n", "2 0 1 2\n"])
-    pins, source = replay.choose_pins(trace, count=3, usage_file=None)
+    pins, source = choose_pins(trace, count=3, usage_file=None)
     # counts: (0,1) 3; (0,2) (1,3) (1,4) 2 each; (0,5) 1 — the tie goes to the smaller pair
     assert pins == ((0, 1), (0, 2), (1, 3)) and "oracle" in source
     usage = tmp_path / "usage"
     usage.write_text("0 5 100\n1 4 7\n0 2 7\n1 3 0\n")
-    pins, source = replay.choose_pins(trace, count=2, usage_file=str(usage))
+    pins, source = choose_pins(trace, count=2, usage_file=str(usage))
     assert pins == ((0, 2), (0, 5)) and "usage file" in source  # tie -> smaller pair
     with pytest.raises(ValueError, match="only 3 candidate"):
-        replay.choose_pins(trace, count=4, usage_file=str(usage))
+        choose_pins(trace, count=4, usage_file=str(usage))
     # The file is read by the real ledger; what it would ignore is an error here.
     usage.write_text("0 5 100\n9 1 1000\n")
     with pytest.raises(ValueError, match="line 2: invalid layer '9'"):
-        replay.choose_pins(trace, count=1, usage_file=str(usage))
+        choose_pins(trace, count=1, usage_file=str(usage))
     usage.write_text("0 5\n")
     with pytest.raises(ValueError, match="line 1: expected layer expert count"):
-        replay.read_usage_counts(usage, trace)
+        read_usage_counts(usage, trace)
     usage.write_text("0 5 1\n0 x 1\n")
     with pytest.raises(ValueError, match="line 2: invalid expert 'x'"):
-        replay.read_usage_counts(usage, trace)
+        read_usage_counts(usage, trace)
 
 
 def test_auto_pins_share_the_resident_tier(tmp_path):
     trace = generate_trace(layers=2, experts=16, top_k=2, tokens=200, overlap=0.4, seed=3)
     usage = tmp_path / "usage"
     usage.write_text("".join(f"{layer} {e} {10000 - e}\n" for layer in (0, 1) for e in range(16)))
-    pins, source = replay.plan_auto_pins(trace, str(usage), slots_per_layer=4, slot_bytes=100, min_pin_budget=0)
+    pins, source = plan_auto_pins(trace, str(usage), slots_per_layer=4, slot_bytes=100, min_pin_budget=0)
     # history 319,760 selections >= full confidence: pins get half the 800-byte tier (4 slots),
     # capped by tier - mandatory (800 - 200): 4 pins, the highest counts first.
     assert pins == ((0, 0), (0, 1), (1, 0), (1, 1)), source
     assert "confidence 1.00" in source
-    none, _ = replay.plan_auto_pins(trace, str(usage), slots_per_layer=4, slot_bytes=100, min_pin_budget=10**9)
+    none, _ = plan_auto_pins(trace, str(usage), slots_per_layer=4, slot_bytes=100, min_pin_budget=10**9)
     assert none == ()
 
 
@@ -138,9 +137,7 @@ manager_required = pytest.mark.skipif(
 def test_ours_without_pins_is_plain_lru_when_a_visit_fits():
     trace = generate_trace(layers=3, experts=24, top_k=4, tokens=300, overlap=0.4, seed=11)
     for slots in (4, 6, 10):
-        results = replay.replay(
-            trace, replay.Capacity(slots_per_layer=slots, working_slots=4, pins=(), pins_source="none")
-        )
+        results = replay(trace, Capacity(slots_per_layer=slots, working_slots=4, pins=(), pins_source="none"))
         assert results["ours"].hits == results["lru"].hits
         assert results["ours"].extra["manager"]["hits"] == sum(results["ours"].hits.values())
 
@@ -160,10 +157,8 @@ def test_ours_and_lru_never_beat_belady(seed):
         seed=seed,
     )
     for slots in (1, 2, top_k, 2 * top_k):
-        pins, source = replay.choose_pins(trace, count=int(rng.integers(0, 5)), usage_file=None)
-        results = replay.replay(
-            trace, replay.Capacity(slots_per_layer=slots, working_slots=top_k + 1, pins=pins, pins_source=source)
-        )
+        pins, source = choose_pins(trace, count=int(rng.integers(0, 5)), usage_file=None)
+        results = replay(trace, Capacity(slots_per_layer=slots, working_slots=top_k + 1, pins=pins, pins_source=source))
         belady = results["belady"]
         for name in ("ours", "lru"):
             for layer, hits in results[name].hits.items():
@@ -174,7 +169,7 @@ def test_ours_and_lru_never_beat_belady(seed):
 @manager_required
 def test_replay_handles_sparse_layer_ids_token_gaps_and_repeated_experts():
     trace = parse_trace(["# c\n", "3 7 1 2\n", "3 3 4 4\n", "9 3 4 5\n", "9 7 2 6\n", "12 7 2 1\n"])
-    results = replay.replay(trace, replay.Capacity(slots_per_layer=2, working_slots=2, pins=(), pins_source="none"))
+    results = replay(trace, Capacity(slots_per_layer=2, working_slots=2, pins=(), pins_source="none"))
     # layer 7: [1 2] [2 6] [2 1] -> hits 0, 1 (2), 1 (2; 1 was evicted by 6); layer 3: [4] [4 5] -> 0, 1
     for name in ("ours", "lru", "belady"):
         assert results[name].lookups == {3: 3, 7: 6}
@@ -187,7 +182,7 @@ def test_replay_handles_sparse_layer_ids_token_gaps_and_repeated_experts():
 def test_replay_refuses_a_working_bank_smaller_than_a_visit():
     trace = parse_trace(["0 0 1 2 3\n"])
     with pytest.raises(ValueError, match="--working-slots 2 < 3"):
-        replay.replay(trace, replay.Capacity(slots_per_layer=4, working_slots=2, pins=(), pins_source="none"))
+        replay(trace, Capacity(slots_per_layer=4, working_slots=2, pins=(), pins_source="none"))
 
 
 def run_cli(*args, timeout=120):

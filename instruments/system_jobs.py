@@ -1,0 +1,141 @@
+"""One started system (`supervisor.system.start_system`) and the jobs the bench runs against it.
+
+`System` sizes the memory budget for `slots_per_layer` resident slots, starts the processes,
+runs generation jobs through the client and keeps each job's figures (tokens, tok/s, hits,
+the GPU worker's lease telemetry); `summary` gives the medians of the measured jobs. The only
+module of the instruments that starts a system.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from instruments.figures import median
+from instruments.lease_telemetry import TELEMETRY_KEYS, TelemetryLog, summarize_telemetry
+from instruments.machine import process_rss
+from shared.client import Client
+from shared.job_messages import TokenEvent
+from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
+from supervisor.budget import DEFAULT_KV_RESERVE_BYTES
+from supervisor.system import start_system
+
+
+class System:
+    """One started system (`supervisor.system.start_system`) with `slots_per_layer` resident slots."""
+
+    def __init__(
+        self,
+        store,
+        *,
+        name: str,
+        slots_per_layer: int,
+        io_workers: int,
+        io_mode: str,
+        working_slots: int | None,
+        telemetry: TelemetryLog,
+        expert_bytes: int,
+        compute_lanes: int | None = None,
+    ) -> None:
+        self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
+        working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
+        kv = DEFAULT_KV_RESERVE_BYTES
+        budget = store.dense_bytes + kv + (working + len(store.sparse_layers) * slots_per_layer) * store.slot_bytes
+        started = time.perf_counter()
+        self.system = start_system(
+            model_dir=store.model_dir,
+            memory_budget=budget,
+            io_workers=io_workers,
+            working_slots=working,
+            slots_per_layer=slots_per_layer,
+            io_mode=io_mode,
+            kv_reserve_bytes=kv,
+            compute_lanes=compute_lanes,
+        )
+        self.startup_s = time.perf_counter() - started
+        self.jobs: list[dict[str, Any]] = []
+        self.rss = 0
+
+    def stop(self) -> None:
+        self.system.stop()
+
+    def job(
+        self,
+        prompt: list[int],
+        tokens: int,
+        *,
+        expected: list[int] | None,
+        temperature: float,
+        seed: int,
+        warmup: bool = False,
+    ) -> dict[str, Any]:
+        before = self.telemetry.count()
+        got, done = [], None
+        with Client(self.system.endpoint, timeout=600) as client:
+            for event in client.generate(prompt_tokens=prompt, max_tokens=tokens, temperature=temperature, seed=seed):
+                if isinstance(event, TokenEvent):
+                    got.append(event.token)
+                else:
+                    done = event
+        record = self.telemetry.wait_for(before + 1)
+        self.rss = max(self.rss, process_rss(list(self.system.pids.values())))
+        stats = done.stats
+        # The coordinator's decode_tok_s is tokens / (time from the first token to the last): recover that
+        # time and count the intervals it holds (tokens - 1), as for mlx-lm.
+        decode_s = stats.generated_tokens / stats.decode_tok_s if stats.decode_tok_s else 0.0
+        job = {
+            "warmup": warmup,
+            "tokens": list(done.tokens),
+            "tokens_match": expected is None or (got == expected and list(done.tokens) == expected),
+            "generated": stats.generated_tokens,
+            "decode_tok_s": (stats.generated_tokens - 1) / decode_s if decode_s else 0.0,
+            "coordinator_decode_tok_s": stats.decode_tok_s,
+            "prefill_tok_s": stats.prefill_tok_s,
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "hit_rate": stats.hit_rate,
+            "bytes_read": stats.bytes_read,
+            "disk_p50_ms": stats.disk_p50_ms,
+            "disk_p99_ms": stats.disk_p99_ms,
+            "wait_p50_ms": stats.wait_p50_ms,
+            "wait_p99_ms": stats.wait_p99_ms,
+            "bytes_copied": stats.bytes_copied,
+            "wrap_path": stats.wrap_path,
+            "evictions": stats.evictions,
+            "footprint_bytes": stats.footprint_bytes,
+            "telemetry": summarize_telemetry(record, expert_bytes=self.expert_bytes),
+        }
+        self.jobs.append(job)
+        return job
+
+    def summary(self) -> dict[str, Any]:
+        plan = self.system.plan
+        measured = [job for job in self.jobs if not job["warmup"]]
+        tele = [job["telemetry"] for job in measured if job["telemetry"] and job["telemetry"].get("decode_passes")]
+        result = {
+            "slots_per_layer": plan.slots_per_layer,
+            "working_slots": plan.working_slots,
+            "resident_fraction": plan.slots_per_layer / self.store.experts_per_layer,
+            "budget_bytes": plan.budget_bytes,
+            "slab_bytes": plan.slab_bytes,
+            "startup_s": self.startup_s,
+            "children_peak_rss_bytes": self.rss,
+            "tokens_match": all(job["tokens_match"] for job in self.jobs),
+            "decode_tok_s": median([job["decode_tok_s"] for job in measured]),
+            "decode_tok_s_runs": [job["decode_tok_s"] for job in measured],
+            "misses_per_job": [job["misses"] for job in measured],
+            "hit_rate": median([job["hit_rate"] for job in measured]),
+            "disk_p50_ms": median([job["disk_p50_ms"] for job in measured]),
+            "disk_p99_ms": median([job["disk_p99_ms"] for job in measured]),
+            "wait_p50_ms": median([job["wait_p50_ms"] for job in measured]),
+            "wait_p99_ms": median([job["wait_p99_ms"] for job in measured]),
+            "bytes_read_per_token": median([job["bytes_read"] / max(job["generated"], 1) for job in measured]),
+            "jobs": [{k: v for k, v in job.items() if k != "tokens"} for job in self.jobs],
+        }
+        for key in TELEMETRY_KEYS:
+            if tele:
+                result[key] = median([t[key] for t in tele])
+        if tele:
+            result["per_layer"] = tele[len(tele) // 2]["per_layer"]
+            result["compute_lanes"] = tele[-1]["compute_lanes"]
+        return result
