@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.residency import ExpertBatchLease, ExpertResidencyManager
+from coordinator.residency import ExpertResidencyManager
+from coordinator.residency_core import ExpertBatchLease
 from shared.gpu_messages import Fence, Fenced, Lease, Routes
 from shared.protocol import BAD_REQUEST, INTERNAL, ErrorReply
 from shared.waves import ExpertUnionWave, build_expert_batch_union
@@ -28,7 +29,7 @@ LOAD_FAILED = "load_failed"  # an expert of the wave could not be loaded (the re
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseStats:
+class LeaseServiceStats:
     """What the lease service saw between `begin_job` and `end_job`."""
 
     visits: int = 0
@@ -210,13 +211,13 @@ class LeaseService:
         snap = self._manager.snapshot()
         self._counts = _Counts(baseline=(snap.evictions, snap.pressure_evictions, snap.repin_swaps))
 
-    def end_job(self) -> LeaseStats:
+    def end_job(self) -> LeaseServiceStats:
         """The statistics since `begin_job`."""
         telemetry = self._manager.drain_demand_telemetry()
         snap = self._manager.snapshot()
         counts = self._counts
         evictions, pressure, repins = counts.baseline
-        stats = LeaseStats(
+        stats = LeaseServiceStats(
             visits=counts.visits,
             all_resident_visits=counts.all_resident_visits,
             waves=counts.waves,
@@ -291,4 +292,4 @@ class LeaseService:
             self._counts.all_resident_visits += 1
 
 
-__all__ = ["LOAD_FAILED", "LeaseRefused", "LeaseService", "LeaseStats"]
+__all__ = ["LOAD_FAILED", "LeaseRefused", "LeaseService", "LeaseServiceStats"]

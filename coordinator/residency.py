@@ -1,69 +1,39 @@
-"""The residency manager: which expert lives in which slab slot, and when.
+"""The residency manager: the core's slot leasing plus the policy around it.
 
-A faithful port of the reference policy (residency.ts). Slots have a role
-(working bank, a sparse layer's resident LRU, pinned, disabled) and a phase
-(idle, loading, ready, leased). Misses load into the working bank; on the
-fenced release of a wave each miss is promoted into its layer's LRU victim
-(idle first) or an idle pinned slot, and the victim slot joins the working
-bank. Only one wave is active at a time, so a leased slot can never be
-shared with, or evicted beneath, another reader.
+`ExpertResidencyManager` is `coordinator.residency_core.ResidencyCore` (the
+slots, the pins and the serial wave of leases) with the operations that
+run beside the lease path:
+
+- safe-point policy (only while no wave is active): pressure correction
+  (evict least-recent resident experts, disabling their slots, until the
+  footprint fits the budget), the pinned preload, and LFRU live repin (swap a
+  cold pin for a hot resident expert: roles move, bytes do not);
+- advisory hints (readahead of predicted experts; never touch a slot) and
+  route recording into the usage ledger;
+- views: the hint telemetry, the snapshot and the residency map.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from coordinator.residency_backend import EMPTY_HINT_SNAPSHOT, ExpertIOHintSnapshot, ExpertResidencyBackend
+from coordinator.residency_core import Locate, ResidencyCore
 from coordinator.residency_types import (
-    Classification,
-    ExpertDemandTelemetry,
     ExpertHintTelemetry,
-    ExpertPolicyTelemetry,
     ExpertRepinEvent,
-    ExpertResidencyLeaseEntry,
     ExpertResidencyMapEntry,
     ExpertResidencySnapshot,
-    IOCounters,
     ResidencyError,
     ResidencyPressureError,
-    StaleLeaseError,
 )
-from coordinator.slot_table import SlotRecord, SlotTable
 from shared.checks import require_int
 from shared.plan import ExpertResidencyPlan
-from shared.segments import ExpertResidencyLocation
 
-Locate = Callable[[int, int], ExpertResidencyLocation]
 RouteObserver = Callable[[int, object], None]
-BeforeMissSubmit = Callable[[tuple[ExpertResidencyLeaseEntry, ...]], Awaitable[None] | None]
 
 
-class ExpertBatchLease:
-    """The slots of one wave; release exactly once, after the fence."""
-
-    def __init__(self, manager: ExpertResidencyManager, entries: Iterable[ExpertResidencyLeaseEntry]) -> None:
-        self._manager: ExpertResidencyManager | None = manager
-        self.entries: tuple[ExpertResidencyLeaseEntry, ...] = tuple(entries)
-
-    @property
-    def released(self) -> bool:
-        return self._manager is None
-
-    def release_fenced(self) -> None:
-        """Release after every graph reading these slots was evaluated and dropped."""
-        manager = self._manager
-        if manager is None:
-            raise ResidencyError("expert batch lease has already been released")
-        try:
-            manager.release_fenced(self.entries)
-        finally:
-            self._manager = None
-
-
-class ExpertResidencyManager:
+class ExpertResidencyManager(ResidencyCore):
     """Deterministic, serial-forward residency policy over a fixed slab."""
 
     def __init__(
@@ -77,242 +47,15 @@ class ExpertResidencyManager:
         usage: object | None = None,
         route_observer: RouteObserver | None = None,
     ) -> None:
-        if not isinstance(plan, ExpertResidencyPlan):
-            raise TypeError(f"plan must be an ExpertResidencyPlan, got {type(plan).__name__}")
-        layer_ids = tuple(require_int(layer, "sparse layer id") for layer in sparse_layer_ids)
-        if len(layer_ids) != plan.sparse_layers or len(set(layer_ids)) != len(layer_ids):
-            raise ValueError(
-                f"sparse_layer_ids must contain each of the plan's {plan.sparse_layers} sparse "
-                f"layers exactly once, got {list(layer_ids)}"
-            )
-        if backend.slots != plan.total_slots:
-            raise ValueError(f"expert backend has {backend.slots} slots; plan requires {plan.total_slots}")
-        pins = [
-            (require_int(layer, "pinned layer"), require_int(expert, "pinned expert id"))
-            for layer, expert in (pinned or ())
-        ]
-        if len(pins) != plan.pinned_slots:
-            raise ValueError(f"expert pinned set has {len(pins)} entries; plan reserves {plan.pinned_slots}")
-        if len(set(pins)) != len(pins):
-            duplicate = next(pin for pin in pins if pins.count(pin) > 1)
-            raise ValueError(f"duplicate pinned expert {duplicate[0]}:{duplicate[1]}")
-        for layer, expert in pins:
-            if layer not in layer_ids:
-                raise ValueError(f"pinned expert {layer}:{expert} is not in a sparse layer")
-
-        self.plan = plan
-        self.sparse_layer_ids = layer_ids
-        self._backend = backend
-        self._locate = locate
+        super().__init__(plan=plan, sparse_layer_ids=sparse_layer_ids, backend=backend, locate=locate, pinned=pinned)
         self._usage = usage
         self._route_observer = route_observer
-        self._pinned = pins
-        self._pinned_keys = set(pins)
-        self._active = False
-        self._clock = 0
-        self._generation = 0
-        self._hits = 0
-        self._misses = 0
-        self._evictions = 0
         self._pressure_evictions = 0
         self._repin_swaps = 0
-        self._demand = IOCounters()
-        self._policy = IOCounters()
         self._hint_candidates = 0
         self._hint_resident_skipped = 0
         self._hint_submit_errors = 0
         self._hint_baseline = self._backend_hint_snapshot()
-
-        # Slot ids are laid out working bank first, then each layer's LRU, then
-        # pins; roles move between ids later, the ids themselves never do.
-        self._table = SlotTable(backend)
-        # Aliases of the table's indexes, for the policy code below.
-        self._slots = self._table.slots
-        self._working = self._table.working
-        self._layer_slots = self._table.layer_slots
-        self._lookup = self._table.lookup
-        for _ in range(plan.working_slots):
-            self._working.add(self._table.new_slot("working", None).id)
-        for layer in layer_ids:
-            self._layer_slots[layer] = {self._table.new_slot("layer", layer).id for _ in range(plan.slots_per_layer)}
-        while len(self._slots) < plan.total_slots:
-            self._table.new_slot("pinned", None)
-
-    # -- the demand path ---------------------------------------------------
-
-    async def acquire_block(
-        self,
-        layer: int,
-        expert_ids: Sequence[int],
-        before_miss_submit: BeforeMissSubmit | None = None,
-        classification: Classification = "demand",
-    ) -> ExpertBatchLease:
-        """Lease slots holding every expert of one deduplicated wave of `layer`.
-
-        Hits are leased at once; `before_miss_submit` sees them before any miss
-        is submitted. On any failure everything this call started is cancelled,
-        drained and discarded, hits go back to ready, and the error re-raises.
-        """
-        if self._active:
-            raise ResidencyError("another expert wave is active; waves are serial")
-        layer = require_int(layer, "layer")
-        if layer not in self._layer_slots:
-            raise ValueError(f"layer {layer} is not a sparse residency layer")
-        if classification not in ("demand", "policy"):
-            raise ValueError(f"classification must be 'demand' or 'policy', got {classification!r}")
-        unique = [require_int(expert, "expert id") for expert in expert_ids]
-        if len(set(unique)) != len(unique):
-            raise ValueError(f"expert block must already be deduplicated, got {unique}")
-        if len(unique) > self.plan.working_slots:
-            raise ValueError(
-                f"expert block has {len(unique)} unique experts; working capacity is {self.plan.working_slots}"
-            )
-
-        counters = self._demand if classification == "demand" else self._policy
-        self._active = True
-        entries: list[ExpertResidencyLeaseEntry] = []
-        loaded: list[SlotRecord] = []
-        try:
-            for expert in unique:
-                slot = self._lookup.get((layer, expert))
-                if slot is None:
-                    continue
-                record = self._slots[slot]
-                if record.phase != "ready":
-                    raise ResidencyError(f"resident expert {layer}:{expert} is {record.phase}, not ready")
-                self._backend.lease(record.id, record.generation, "gpu")
-                record.phase = "leased"
-                self._clock += 1
-                record.last_use = self._clock
-                entries.append(self._table.entry(record, hit=True))
-
-            hit_ids = {entry.expert_id for entry in entries}
-            misses = [expert for expert in unique if expert not in hit_ids]
-            if before_miss_submit is not None:
-                outcome = before_miss_submit(tuple(entries))
-                if inspect.isawaitable(outcome):
-                    await outcome
-            scratch = sorted(
-                (self._slots[i] for i in self._working if self._slots[i].phase in ("idle", "ready")),
-                key=lambda record: record.id,
-            )
-            if len(scratch) < len(misses):
-                raise ResidencyError(f"working tier has {len(scratch)} free slots for {len(misses)} misses")
-            submitted_at: dict[int, float] = {}
-            for expert, record in zip(misses, scratch):
-                if record.phase == "ready":
-                    self._table.forget(record)
-                location = self._locate(layer, expert)
-                if location.layer != layer or location.expert_id != expert:
-                    raise ResidencyError(
-                        f"expert locator returned {location.layer}:{location.expert_id} for {layer}:{expert}"
-                    )
-                generation = self._generation + 1
-                self._backend.submit_segments(record.id, generation, location.segments)
-                # Only a submitted load owns the slot: a refused submit leaves it idle.
-                self._generation = generation
-                record.generation = generation
-                record.layer, record.expert_id, record.phase = layer, expert, "loading"
-                loaded.append(record)
-                submitted_at[record.id] = time.perf_counter()
-                counters.loads += 1
-                counters.read_operations += len(location.segments)
-                counters.read_bytes += sum(segment.length for segment in location.segments)
-
-            failure: BaseException | None = None
-            if loaded:
-                foreground_started = time.perf_counter()
-                outcomes = await asyncio.gather(
-                    *(self._timed_wait(record, submitted_at[record.id], counters) for record in loaded),
-                    return_exceptions=True,
-                )
-                counters.foreground_wait_ms.append((time.perf_counter() - foreground_started) * 1e3)
-                for record, outcome in zip(loaded, outcomes):
-                    record.phase = "ready"
-                    if isinstance(outcome, BaseException):
-                        failure = failure or outcome
-                        continue
-                    self._lookup[(layer, record.expert_id)] = record.id
-                    self._backend.lease(record.id, record.generation, "gpu")
-                    record.phase = "leased"
-                    self._clock += 1
-                    record.last_use = self._clock
-                    entries.append(self._table.entry(record, hit=False))
-            if failure is not None:
-                raise failure
-        except BaseException as error:
-            await self._abort_acquire(error, entries, loaded)
-            raise AssertionError("unreachable") from error  # _abort_acquire always raises
-
-        # A failed acquire served no request, so it counts neither hit nor miss;
-        # the bytes it did read still show in loads/read_bytes telemetry.
-        hits = sum(1 for entry in entries if entry.hit)
-        counters.hits += hits
-        counters.misses += len(entries) - hits
-        if classification == "demand":
-            self._hits += hits
-            self._misses += len(entries) - hits
-        order = {expert: index for index, expert in enumerate(unique)}
-        entries.sort(key=lambda entry: order[entry.expert_id])
-        return ExpertBatchLease(self, entries)
-
-    def release_fenced(self, entries: Sequence[ExpertResidencyLeaseEntry]) -> None:
-        """End the active wave once the GPU worker has fenced every slot in it."""
-        if not self._active:
-            raise ResidencyError("no active expert batch lease")
-        for entry in entries:
-            record = self._slots[entry.slot] if 0 <= entry.slot < len(self._slots) else None
-            if record is None or record.phase != "leased" or record.generation != entry.generation:
-                # Which slots the reader still holds is unknown now: leave every
-                # leased slot leased (never reused) rather than guess.
-                self._active = False
-                raise StaleLeaseError(
-                    f"stale expert lease {entry.layer}:{entry.expert_id} "
-                    f"(slot {entry.slot}, generation {entry.generation})"
-                )
-        protected = {entry.slot for entry in entries}
-        errors: list[BaseException] = []
-        for entry in entries:
-            record = self._slots[entry.slot]
-            try:
-                self._backend.release_gpu_fenced(record.id, record.generation)
-                record.phase = "ready"
-            except Exception as error:
-                errors.append(error)
-                self._table.disable(record)
-        if errors:
-            for entry in entries:
-                record = self._slots[entry.slot]
-                if entry.hit or record.phase != "ready":
-                    continue
-                self._table.try_forget(record, errors)
-            self._active = False
-            raise ExceptionGroup("expert lease release failed", errors)
-
-        try:
-            misses = [entry for entry in reversed(entries) if not entry.hit]
-            promoted: set[int] = set()
-            for entry in misses:
-                record = self._slots[entry.slot]
-                if (entry.layer, entry.expert_id) in self._pinned_keys:
-                    target = next((s for s in self._slots if s.role == "pinned" and s.phase == "idle"), None)
-                    if target is not None:
-                        self._table.swap_roles(record, target, "pinned", None)
-                        promoted.add(record.id)
-                        continue
-                target = self._table.layer_victim(entry.layer, protected)
-                if target is None:
-                    continue
-                if target.phase == "ready":
-                    self._table.forget(target, keep_layer=True)
-                    self._evictions += 1
-                self._table.swap_roles(record, target, "layer", entry.layer)
-                promoted.add(record.id)
-            for entry in misses:
-                if entry.slot not in promoted:
-                    self._table.forget(self._slots[entry.slot])
-        finally:
-            self._active = False
 
     # -- safe-point policy -------------------------------------------------
 
@@ -401,7 +144,7 @@ class ExpertResidencyManager:
         self._repin_swaps += 1
         return ExpertRepinEvent(layer=layer, evicted_pin=cold, admitted_pin=hot, gain=candidate.gain)
 
-    # -- advisory hints, routes, telemetry ----------------------------------
+    # -- advisory hints, routes, views ---------------------------------------
 
     def hint_experts(self, layer: int, expert_ids: Sequence[int]) -> None:
         """Queue readahead for predicted experts; never allocates or mutates slots.
@@ -439,16 +182,6 @@ class ExpertResidencyManager:
             self._usage.record_routes(layer, routes)
         if self._route_observer is not None:
             self._route_observer(layer, routes)
-
-    def drain_demand_telemetry(self) -> ExpertDemandTelemetry:
-        """Return and reset the model forward's I/O telemetry."""
-        telemetry, self._demand = self._demand.drain(), IOCounters()
-        return telemetry
-
-    def drain_policy_telemetry(self) -> ExpertPolicyTelemetry:
-        """Return and reset preload / live-repin I/O, kept apart from demand."""
-        telemetry, self._policy = self._policy.drain(), IOCounters()
-        return telemetry
 
     def drain_hint_telemetry(self) -> ExpertHintTelemetry:
         """Return and reset advisory-hint telemetry since the previous drain."""
@@ -520,11 +253,6 @@ class ExpertResidencyManager:
         return result
 
     @property
-    def active(self) -> bool:
-        """True while a wave is leased (not a safe point)."""
-        return self._active
-
-    @property
     def pinned(self) -> tuple[tuple[int, int], ...]:
         return tuple(self._pinned)
 
@@ -538,74 +266,5 @@ class ExpertResidencyManager:
         telemetry = getattr(self._backend, "hint_telemetry", None)
         return telemetry() if telemetry is not None else EMPTY_HINT_SNAPSHOT
 
-    async def _timed_wait(self, record: SlotRecord, submitted_at: float, counters: IOCounters) -> None:
-        try:
-            await self._backend.wait(record.id, record.generation)
-        finally:
-            counters.disk_service_ms.append((time.perf_counter() - submitted_at) * 1e3)
 
-    async def _drain(self, record: SlotRecord) -> asyncio.CancelledError | None:
-        """Wait until a cancelled load has ended, whatever the read's outcome.
-
-        Returns a cancellation of the caller that arrived meanwhile, for the
-        caller to re-raise once the manager is consistent again.
-        """
-        drain = asyncio.ensure_future(self._backend.wait(record.id, record.generation))
-        cancelled = None
-        while not drain.done():
-            try:
-                await asyncio.shield(drain)
-            except asyncio.CancelledError as again:
-                if drain.done() and drain.cancelled():
-                    break
-                cancelled = again
-            except Exception:
-                break
-        if drain.done() and not drain.cancelled():
-            drain.exception()  # retrieved: the outcome is irrelevant here
-        return cancelled
-
-    async def _abort_acquire(
-        self,
-        error: BaseException,
-        entries: list[ExpertResidencyLeaseEntry],
-        loaded: list[SlotRecord],
-    ) -> None:
-        """Undo a failed acquire and re-raise. No lease has left the coordinator
-        yet, so releasing its slots here cannot race a reader."""
-        errors: list[BaseException] = []
-        cancelled: asyncio.CancelledError | None = None
-        try:
-            for entry in entries:
-                record = self._slots[entry.slot]
-                if record.phase == "leased":
-                    try:
-                        self._backend.release_gpu_fenced(record.id, record.generation)
-                        record.phase = "ready"
-                    except Exception as cleanup_error:
-                        errors.append(cleanup_error)
-                        self._table.disable(record)
-            for record in loaded:
-                if record.role == "disabled":
-                    continue
-                if record.phase == "loading":
-                    try:
-                        self._backend.cancel(record.id, record.generation)
-                    except Exception as cleanup_error:
-                        errors.append(cleanup_error)
-                    # The slot must be quiescent before it can be reused, so the
-                    # drain outlasts a further cancellation; that one re-raises below.
-                    cancelled = await self._drain(record) or cancelled
-                    record.phase = "ready"
-                if record.phase == "ready":
-                    self._table.try_forget(record, errors)
-        finally:
-            self._active = False
-        if cancelled is not None and not isinstance(error, asyncio.CancelledError):
-            raise cancelled from error  # the caller asked to stop; the load error rides along
-        if errors:
-            raise BaseExceptionGroup("expert acquire failed and cleanup was incomplete", [error, *errors])
-        raise error
-
-
-__all__ = ["BeforeMissSubmit", "ExpertBatchLease", "ExpertResidencyManager", "Locate", "RouteObserver"]
+__all__ = ["ExpertResidencyManager", "RouteObserver"]

@@ -1,9 +1,9 @@
-"""Result and error types of the residency manager (frozen, cheap to ship)."""
+"""Result and error types of the residency manager (frozen, cheap to ship), and its nearest-rank percentile."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,21 +20,27 @@ class ExpertLatencySummary:
     max_ms: float = 0.0
 
 
+def nearest_rank(ordered: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile of sorted samples (the seed's definition); 0.0 when there are none.
+
+    The one percentile rule of the coordinator: the residency telemetry below and the job statistics.
+    """
+    if not ordered:
+        return 0.0
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
 def summarize_expert_latencies(samples: Iterable[float]) -> ExpertLatencySummary:
-    """Nearest-rank percentiles (the seed's definition) of millisecond samples."""
+    """Nearest-rank percentiles of millisecond samples."""
     ordered = sorted(float(sample) for sample in samples)
     if not ordered:
         return ExpertLatencySummary()
-
-    def percentile(fraction: float) -> float:
-        return ordered[math.ceil(fraction * len(ordered)) - 1]
-
     return ExpertLatencySummary(
         count=len(ordered),
         total_ms=math.fsum(ordered),
-        p50_ms=percentile(0.5),
-        p95_ms=percentile(0.95),
-        p99_ms=percentile(0.99),
+        p50_ms=nearest_rank(ordered, 0.5),
+        p95_ms=nearest_rank(ordered, 0.95),
+        p99_ms=nearest_rank(ordered, 0.99),
         max_ms=ordered[-1],
     )
 

@@ -1,4 +1,4 @@
-"""What the coordinator does at safe points: footprint, pressure, live repin, heat decay, ledger flushes.
+"""What the coordinator does at safe points: pressure correction, live repin, heat decay, ledger flushes.
 
 A safe point is a moment when no wave is leased: right after the GPU worker's
 `fenced` (the end of a forward step), after each `token`, and between jobs.
@@ -9,210 +9,32 @@ heat halves once per job, so a burst fades over a few jobs) and a ledger
 flush. The ledger is also flushed every `usage_flush_s` while dirty, and at
 shutdown (coordinator.main).
 
-Footprint (what is compared with the plan's `budget_bytes`, which covers the
-dense weights, the KV reserve and the slab):
-
-    footprint = dense_bytes                      (as the GPU worker reports them)
-              + slab resident bytes              (tmpfs st_blocks: every touched page, once)
-              + sum over the coordinator, the I/O workers and the GPU worker of
-                (private(p) now - private(p) when p started serving)
-              + test_footprint_offset_bytes      (a test knob; 0 in real runs)
-
-private(p) is the process's anonymous memory, resident or swapped out: RssAnon +
-VmSwap of /proc/PID/status on Linux (RssAnon is psutil's `rss - shared`; one
-small read, cheap): unlike USS it excludes the slab's shared-memory pages,
-which USS counts for a page only one process has mapped (counting them twice),
-and clean file pages such as library code, which the kernel drops without
-swapping. Elsewhere it is psutil's USS (which may count slab pages twice). The processes'
-private memory when they started serving (the GPU worker's at `gpu_ready`,
-minus the dense weights it holds; the others' when the I/O workers were
-ready) is Python, the libraries and the tokenizer: the plan never budgeted it,
-so it is reported as `overhead_bytes` and not compared. Growth after that (KV
-cache, MLX's buffers and copies of leased slots, Python heap) is what the KV
-reserve is for, and counts.
-
-Above `budget + pressure_tolerance_bytes` the manager's `correct_for_pressure`
+The footprint and how it is measured: coordinator.footprint. Above
+`budget + pressure_tolerance_bytes` the manager's `correct_for_pressure`
 evicts resident experts (least recent first, each disabled for the run) until
 the footprint is at most the budget; their pages are punched out of the slab
-(MADV_REMOVE) so the eviction really frees memory. If that cannot bring it
-under `budget + tolerance`, the running job fails with `memory_pressure`.
+(MADV_REMOVE, by coordinator.metered_backend) so the eviction really frees
+memory. If that cannot bring it under `budget + tolerance`, the running job
+fails with `memory_pressure`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-import psutil
-
+from coordinator.footprint import FootprintMeter
+from coordinator.metered_backend import MeteredBackend
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ResidencyError, ResidencyPressureError
-from coordinator.stats import LoadTimer
 from coordinator.usage import ExpertUsageLedger, select_expert_lfru_candidates
-from shared.slab import Slab
 
 logger = logging.getLogger(__name__)
 
 REPIN_SWAPS_PER_PASS = 4
-
-
-def process_private_bytes(pid: int) -> int:
-    """Private anonymous bytes of `pid`, resident or swapped out (module docstring); psutil.Error if gone."""
-    if sys.platform.startswith("linux"):
-        try:
-            with open(f"/proc/{pid}/status", "rb") as status:  # one small read: cheap enough for every token
-                fields = dict(line.split(b":", 1) for line in status.read().splitlines() if b":" in line)
-        except (FileNotFoundError, ProcessLookupError):
-            raise psutil.NoSuchProcess(pid) from None
-        if b"RssAnon" in fields:  # kB; swapped-out pages count too, or swapping would hide pressure
-            return sum(int(fields.get(key, b"0 kB").split()[0]) for key in (b"RssAnon", b"VmSwap")) * 1024
-        info = psutil.Process(pid).memory_info()  # kernels before 4.5: RssAnon is rss - shared
-        return max(0, info.rss - info.shared)
-    return psutil.Process(pid).memory_full_info().uss
-
-
-class FootprintMeter:
-    """The footprint of the module docstring, sampled at most every `interval_s`."""
-
-    def __init__(
-        self,
-        *,
-        slab: Slab,
-        pids: Callable[[], Sequence[int]],
-        dense_bytes: Callable[[], int],
-        interval_s: float,
-        offset: int = 0,
-        read: Callable[[int], int] = process_private_bytes,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._slab, self._pids, self._dense, self._read, self._clock = slab, pids, dense_bytes, read, clock
-        self._interval = interval_s
-        self._offset = offset
-        self._base: dict[int, int] = {}  # pid -> private bytes at its first sample
-        self._now: dict[int, int] = {}
-        self._last: float | None = None
-        self.samples = 0
-        self.job_peak = 0
-        self.run_peak = 0
-
-    def sample(self, *, force: bool = False) -> bool:
-        """Measure every process now, unless the last sample is more recent than the interval."""
-        now = self._clock()
-        if not force and self._last is not None and now - self._last < self._interval:
-            return False
-        self._last = now
-        current: dict[int, int] = {}
-        for pid in dict.fromkeys(self._pids()):
-            try:
-                current[pid] = self._read(pid)
-            except (psutil.Error, OSError):  # exiting (it leaves the listing soon): its last reading stands
-                if pid not in self._now:
-                    continue
-                current[pid] = self._now[pid]
-            self._base.setdefault(pid, current[pid])
-        self._base = {pid: base for pid, base in self._base.items() if pid in current}
-        self._now = current
-        self.samples += 1
-        footprint = self.footprint()
-        self.job_peak, self.run_peak = max(self.job_peak, footprint), max(self.run_peak, footprint)
-        return True
-
-    def growth(self) -> int:
-        return sum(self._now[pid] - self._base[pid] for pid in self._now)
-
-    def slab_bytes(self) -> int:
-        return self._slab.resident_bytes()
-
-    def footprint(self) -> int:
-        """Dense + slab resident (live) + growth (last sample) + the test offset."""
-        return self._dense() + self.slab_bytes() + self.growth() + self._offset
-
-    def overhead(self) -> int:
-        """The processes' private memory at start, less the dense weights: not compared."""
-        return max(0, sum(self._base.values()) - self._dense())
-
-    def begin_job(self) -> None:
-        self.job_peak = self.footprint()
-
-    def describe(self) -> str:
-        offset = f" + test offset {self._offset}" if self._offset else ""
-        return (
-            f"dense weights {self._dense()} + slab resident {self.slab_bytes()} + process growth "
-            f"{self.growth()}{offset}"
-        )
-
-
-class MeteredBackend:
-    """The residency manager's backend: the real one, plus load timing, the footprint and page release.
-
-    `physical_footprint()` (what `correct_for_pressure` compares with the budget)
-    is the meter's footprint. While `releasing` is set (only around pressure
-    correction) a discarded slot's pages are punched out of the slab: the slot
-    is being disabled, nothing reads or writes it again, and the memory is free.
-    """
-
-    def __init__(self, inner: object, *, slab: Slab, timer: LoadTimer, footprint: Callable[[], int]) -> None:
-        self._inner, self._slab, self._timer, self._footprint = inner, slab, timer, footprint
-        self.releasing = False
-        self.released_bytes = 0
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)  # hint_segments, telemetry, ... pass straight through
-
-    @property
-    def inner(self) -> object:
-        return self._inner
-
-    @property
-    def slots(self) -> int:
-        return self._inner.slots  # type: ignore[attr-defined]
-
-    def submit_segments(self, slot: int, generation: int, segments: Sequence[object]) -> None:
-        self._inner.submit_segments(slot, generation, segments)  # type: ignore[attr-defined]
-        self._timer.submitted(slot, generation)
-
-    async def wait(self, slot: int, generation: int) -> None:
-        self._timer.wait_started()
-        try:
-            await self._inner.wait(slot, generation)  # type: ignore[attr-defined]
-        finally:
-            self._timer.wait_ended(slot, generation)
-
-    def cancel(self, slot: int, generation: int) -> None:
-        self._inner.cancel(slot, generation)  # type: ignore[attr-defined]
-
-    def lease(self, slot: int, generation: int, consumer: str = "gpu") -> None:
-        self._inner.lease(slot, generation, consumer)  # type: ignore[attr-defined]
-
-    def release_gpu_fenced(self, slot: int, generation: int) -> None:
-        self._inner.release_gpu_fenced(slot, generation)  # type: ignore[attr-defined]
-
-    def discard(self, slot: int, generation: int) -> None:
-        self._inner.discard(slot, generation)  # type: ignore[attr-defined]
-        self._timer.forget(slot, generation)
-        if self.releasing:
-            self._release_pages(slot)
-
-    def physical_footprint(self) -> int:
-        return self._footprint()
-
-    def _release_pages(self, slot: int) -> None:
-        buffer, advice = self._slab.buffer, getattr(mmap, "MADV_REMOVE", None)
-        if buffer is None or advice is None:  # macOS: shm pages cannot be punched out
-            return
-        before = self._slab.resident_bytes()
-        try:
-            buffer.madvise(advice, self._slab.slot_offset(slot), self._slab.slot_bytes)
-        except OSError as error:
-            logger.warning("could not release the pages of slot %d: %s", slot, error)
-            return
-        self.released_bytes += max(0, before - self._slab.resident_bytes())
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,11 +209,4 @@ class SafePoints:
         return {(e.layer, e.expert_id): e.slot for e in self._manager.residency_map() if e.tier == "resident"}
 
 
-__all__ = [
-    "REPIN_SWAPS_PER_PASS",
-    "FootprintMeter",
-    "MeteredBackend",
-    "PressureReport",
-    "SafePoints",
-    "process_private_bytes",
-]
+__all__ = ["REPIN_SWAPS_PER_PASS", "PressureReport", "SafePoints"]

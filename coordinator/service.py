@@ -24,12 +24,14 @@ import zmq
 import zmq.asyncio
 
 from coordinator.backend import IOWorkerBackend
+from coordinator.fence_checks import HookedBackend, wrap_backend
+from coordinator.footprint import FootprintMeter
 from coordinator.jobs import FrontDoorLimits, JobFrontDoor
 from coordinator.leases import LeaseService
+from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.residency import ExpertResidencyManager
-from coordinator.safepoint import FootprintMeter, MeteredBackend, SafePoints
-from coordinator.stats import JobBook, LoadTimer
-from coordinator.test_hooks import HookedBackend, wrap_backend
+from coordinator.safepoint import SafePoints
+from coordinator.stats import JobBook
 from coordinator.usage import ExpertUsageLedger
 from shared.config import RunConfig
 from shared.gpu_messages import (

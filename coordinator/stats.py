@@ -5,43 +5,32 @@ worker's `job_done` (tokens, prefill/decode time, wrap path, bytes copied),
 the residency manager's snapshot (evictions, pressure evictions and repin
 swaps, counted from the previous job's end so that what the safe point
 between two jobs did shows in the next job), its hint telemetry, the footprint
-meter, and `LoadTimer` here (disk service and foreground wait, per load and
-per wave, timed around the backend by `coordinator.safepoint.MeteredBackend`).
+meter (coordinator.footprint), and the `LoadTimer` of coordinator.metered_backend
+(disk service and foreground wait, per load and per wave, timed around the backend).
 
 Cumulative figures keep totals and recompute every rate from them (hit rate
 = all hits / all lookups, decode tok/s = all generated tokens / all decode
-time, ...). Percentiles of a job are exact (nearest rank over the job's
-samples); cumulative percentiles come from a bounded uniform reservoir
+time, ...). Percentiles of a job are exact (`nearest_rank` over the job's
+samples, the residency telemetry's rule); cumulative percentiles come from a bounded uniform reservoir
 (`RESERVOIR_SIZE` samples per measure, Vitter's algorithm R), so they are
 exact until that many samples were seen and an unbiased estimate after.
 """
 
 from __future__ import annotations
 
-import math
 import random
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from coordinator.leases import LeaseService, LeaseStats
+from coordinator.footprint import FootprintMeter
+from coordinator.leases import LeaseService, LeaseServiceStats
+from coordinator.metered_backend import LoadTimer
 from coordinator.residency import ExpertResidencyManager
-from coordinator.residency_types import ExpertHintTelemetry, ExpertResidencySnapshot
+from coordinator.residency_types import ExpertHintTelemetry, ExpertResidencySnapshot, nearest_rank
 from shared.gpu_messages import JobDone
 from shared.job_messages import JobStats
 
-if TYPE_CHECKING:
-    from coordinator.safepoint import FootprintMeter
-
 RESERVOIR_SIZE = 8192
-
-
-def nearest_rank(ordered: list[float], fraction: float) -> float:
-    """The nearest-rank percentile of sorted samples (the residency telemetry's definition)."""
-    if not ordered:
-        return 0.0
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
 class Reservoir:
@@ -72,55 +61,11 @@ class Reservoir:
         return tuple(nearest_rank(ordered, fraction) for fraction in fractions)
 
 
-class LoadTimer:
-    """Disk service per load (submit to completion) and foreground wait per wave.
-
-    The manager submits a wave's misses, then awaits them together; so a wave
-    is the loads submitted since the previous wave ended, and its foreground
-    wait runs from the first `wait` on one of them to the end of the last.
-    Samples accumulate until `take()`; waves are serial, so they never mix.
-    """
-
-    def __init__(self) -> None:
-        self._submitted: dict[tuple[int, int], float] = {}  # loads of the current wave not yet ended
-        self._wave_started: float | None = None
-        self.disk_ms: list[float] = []
-        self.wait_ms: list[float] = []
-
-    def submitted(self, slot: int, generation: int) -> None:
-        self._submitted[(slot, generation)] = time.perf_counter()
-
-    def wait_started(self) -> None:
-        if self._wave_started is None and self._submitted:
-            self._wave_started = time.perf_counter()
-
-    def wait_ended(self, slot: int, generation: int) -> None:
-        now = time.perf_counter()
-        started = self._submitted.pop((slot, generation), None)
-        if started is None:  # a second waiter, or a load of no wave: nothing to time
-            return
-        self.disk_ms.append((now - started) * 1e3)
-        if not self._submitted and self._wave_started is not None:
-            self.wait_ms.append((now - self._wave_started) * 1e3)
-            self._wave_started = None
-
-    def forget(self, slot: int, generation: int) -> None:
-        """A load that will never be waited for (its slot was discarded)."""
-        self._submitted.pop((slot, generation), None)
-
-    def take(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """The samples since the last take (disk service, foreground wait), in milliseconds."""
-        disk, wait = tuple(self.disk_ms), tuple(self.wait_ms)
-        self.disk_ms.clear()
-        self.wait_ms.clear()
-        return disk, wait
-
-
 @dataclass(frozen=True, slots=True)
 class JobFigures:
     """Everything one job contributes to the statistics."""
 
-    lease: LeaseStats
+    lease: LeaseServiceStats
     done: JobDone | None
     relayed_tokens: int  # tokens sent to the client (a failed job has no job_done)
     before: ExpertResidencySnapshot  # the manager at the previous job's end
@@ -332,9 +277,7 @@ __all__ = [
     "RESERVOIR_SIZE",
     "JobBook",
     "JobFigures",
-    "LoadTimer",
     "Reservoir",
     "RunTotals",
     "job_stats",
-    "nearest_rank",
 ]

@@ -13,10 +13,10 @@ import functools
 import numpy as np
 import pytest
 
+from coordinator.fence_checks import SCRIBBLE, HookedBackend, wrap_backend
 from coordinator.leases import LOAD_FAILED, LeaseService
 from coordinator.memory_backend import InMemoryBackend
 from coordinator.residency import ExpertResidencyManager
-from coordinator.test_hooks import SCRIBBLE, HookedBackend, wrap_backend
 from coordinator.usage import ExpertUsageLedger
 from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, RouteMatrix, Routes
 from shared.plan import plan_expert_residency

@@ -2,7 +2,7 @@
 
 The footprint compared with the budget is dense weights + slab resident bytes +
 every process's private-memory growth since it started serving (+ the test
-offset); see coordinator/safepoint.py. Unit tests pin that formula and the page
+offset); see coordinator/footprint.py. Unit tests pin that formula and the page
 release down; the system tests run a model whose experts are several times the
 budget (its footprint, measured from outside with psutil, stays within it), then
 add a synthetic offset (the `test_footprint_offset_bytes` test knob) that
@@ -18,10 +18,11 @@ import re
 import psutil
 import pytest
 
+from coordinator.footprint import FootprintMeter, process_private_bytes
 from coordinator.memory_backend import InMemoryBackend
+from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.residency import ExpertResidencyManager
-from coordinator.safepoint import FootprintMeter, MeteredBackend, SafePoints, process_private_bytes
-from coordinator.stats import LoadTimer
+from coordinator.safepoint import SafePoints
 from shared.client import Client, JobError
 from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation

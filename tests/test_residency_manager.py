@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from coordinator.memory_backend import BackendProtocolError, InMemoryBackend
-from coordinator.residency import ExpertBatchLease, ExpertResidencyManager
+from coordinator.residency import ExpertResidencyManager
+from coordinator.residency_core import ExpertBatchLease
 from coordinator.residency_types import (
     ExpertRepinEvent,
     ExpertResidencyLeaseEntry,

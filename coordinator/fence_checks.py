@@ -1,6 +1,8 @@
-"""Test-only instruments around the slot backend (decorator pattern; never in normal runs).
+"""Fence checks around the slot backend: did anyone touch a slot after, or while, it was leased?
 
-Enabled by `test_hooks` in the run configuration:
+Product code that tests (and a suspicious operator) switch on; off in normal
+runs. A decorator around the slot backend, enabled by the hook names in the
+run configuration's `test_hooks`:
 
 - `scribble_fenced`: after each fenced release every fenced slot is
   overwritten with 0xFF (NaN in every float format) and its real bytes are
