@@ -1,15 +1,15 @@
 """IOWorkerBackend: the ExpertResidencyBackend over N I/O worker processes.
 
-The coordinator binds a ROUTER (zmq.asyncio); each worker's DEALER says hello,
-is welcomed and reports ready. Loads go to the worker with the fewest in
-flight. The backend keeps its own per-slot phase (idle/loading/ready/leased/
+The workers' side (their ROUTER, sessions, liveness, hint queues) is
+`coordinator.io_sessions`; this module is the slot side. Loads go to the
+worker with the fewest in flight. The backend keeps its own per-slot phase (idle/loading/ready/leased/
 failed) and refuses anything that could write a leased slot: a submit into a
 loading or leased slot, a discard of a leased (or still loading) one. Every
 load carries a generation that must grow per slot, so a stale or late
 completion is recognised, counted and ignored, never applied.
 
-A worker that dies is noticed by a pid watchdog (its pid comes with its hello)
-or by `worker_lost()`; its in-flight loads are re-submitted at once, same
+A worker that dies (noticed by the sessions' pid watchdog or by
+`worker_lost()`) hands back the loads it owed; they are re-submitted at once, same
 slot and generation, to a live worker, so the residency manager never sees the
 loss. With no live worker left they wait (`replacement_grace_s`; 0: fail at
 once) for a restarted worker, whose hello for the same index is accepted once
@@ -25,97 +25,31 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import psutil
-import zmq
 import zmq.asyncio
 
+from coordinator.io_results import (
+    BackendStateError,
+    BackendTelemetry,
+    ExpertLoadError,
+    LoadCompletion,
+    StaleGenerationError,
+)
+from coordinator.io_sessions import IOWorkerSessions, SessionEvents, WorkerSession, running
 from coordinator.residency_backend import Consumer, ExpertIOHintSnapshot
 from shared.checks import require_int
-from shared.io_messages import (
-    WORKER_REPLIES,
-    Cancel,
-    ErrorReply,
-    Hello,
-    Hint,
-    HintStatus,
-    Load,
-    Loaded,
-    Ready,
-    Shutdown,
-    TelemetryRequest,
-    Welcome,
-    WorkerTelemetry,
-)
-from shared.protocol import ProtocolError, decode, encode
+from shared.io_messages import Cancel, Load, Loaded, WorkerTelemetry
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment, check_segments
 from shared.slab import Slab
-from shared.sockets import bound_endpoint, open_socket, remove_ipc_file
 
 if TYPE_CHECKING:
     from shared.children import ChildProcess
 
 logger = logging.getLogger(__name__)
 
-WATCH_INTERVAL_S = 0.1
 LOST = "worker_lost"  # ExpertLoadError.code of a load no worker could take over
-
-
-class BackendStateError(RuntimeError):
-    """A call the slot's phase forbids (e.g. submit into a leased slot)."""
-
-
-class StaleGenerationError(BackendStateError):
-    """A call naming a generation the slot no longer (or never) holds."""
-
-
-class ExpertLoadError(RuntimeError):
-    """A load that failed; names the slot, generation and, for a read error, file and offset."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        slot: int,
-        generation: int,
-        code: str | None = None,
-        file: int | None = None,
-        offset: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.slot, self.generation, self.code, self.file, self.offset = slot, generation, code, file, offset
-
-
-class IOWorkerStartError(RuntimeError):
-    """Workers did not all become ready; the message carries exit codes and stderr."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadCompletion:
-    slot: int
-    generation: int
-    worker: int
-    bytes: int
-    service_ms: float  # the worker's read time
-    queued_ms: float  # time queued inside the worker
-    latency_ms: float  # submit to reply, as seen here
-
-
-@dataclass(frozen=True, slots=True)
-class BackendTelemetry:
-    submitted: int = 0
-    completed: int = 0
-    failed: int = 0
-    cancels_sent: int = 0
-    stale_completions: int = 0
-    bad_replies: int = 0
-    worker_errors: int = 0
-    bytes: int = 0
-    in_flight: int = 0
-    workers_lost: int = 0
-    resubmitted: int = 0  # loads of a lost worker sent again (to another or its restarted one)
 
 
 @dataclass(slots=True)
@@ -137,36 +71,6 @@ class _Slot:
     generation: int = 0  # the last generation submitted (0: never)
     load: _Load | None = None
     consumer: Consumer | None = None
-
-
-@dataclass(slots=True)
-class _Worker:
-    index: int
-    identity: bytes
-    pid: int
-    process: psutil.Process | None = None  # None: the pid named no process at hello
-    ready: bool = False
-    lost: bool = False
-    modes: tuple[str, ...] = ()
-    outstanding: set[tuple[int, int]] = field(default_factory=set)
-    hints_sent: int = 0
-    hint_status: HintStatus = field(default_factory=HintStatus)
-    telemetry_waiters: list[asyncio.Future[WorkerTelemetry]] = field(default_factory=list)
-
-
-def _process(pid: int) -> psutil.Process | None:
-    """A handle that remembers the start time, so a reused pid does not look alive."""
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
-
-
-def _running(process: psutil.Process | None) -> bool:
-    try:
-        return process is not None and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class IOWorkerBackend:
@@ -191,57 +95,34 @@ class IOWorkerBackend:
             raise ValueError(f"replacement_grace_s must be >= 0, got {replacement_grace_s!r}")
         self._slab = slab
         self._grace = float(replacement_grace_s)
-        self._expected = require_int(workers, "workers", minimum=1)
         self._files = files
-        self._hint_capacity = require_int(hint_capacity, "hint_capacity", minimum=1)
-        self._context = context or zmq.asyncio.Context.instance()
-        self._sock = open_socket(self._context, zmq.ROUTER, bind=endpoint)
-        self.endpoint: str = bound_endpoint(self._sock)
+        events = SessionEvents(loaded=self._loaded, ready=self._worker_ready, lost=self._orphaned, tick=self._expire)
+        self._sessions = IOWorkerSessions(
+            context=context or zmq.asyncio.Context.instance(),
+            endpoint=endpoint,
+            workers=require_int(workers, "workers", minimum=1),
+            hint_capacity=require_int(hint_capacity, "hint_capacity", minimum=1),
+            events=events,
+        )
+        self.endpoint: str = self._sessions.endpoint
         self._records = [_Slot() for _ in range(slab.total_slots)]
-        self._workers: dict[int, _Worker] = {}
-        self._by_identity: dict[bytes, int] = {}
-        self._start_errors: dict[int, str] = {}
-        self._receiver: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
         self._parked: dict[int, _Load] = {}  # slot -> a load that waits for a live worker
-        self._counts = dict.fromkeys(BackendTelemetry.__slots__, 0)
-        self._hint_local = dict(submitted=0, dropped=0, errors=0)
-        # Hint counters of workers that were replaced, so the totals never go backwards.
-        self._retired_hints = dict(completed=0, dropped=0, operations=0, bytes=0, errors=0)
-        self._next = 0
-        self._started = False  # every expected worker was ready once
+        # The slot side's counters; the sessions keep bad_replies, worker_errors and workers_lost.
+        self._counts = dict(
+            submitted=0, completed=0, failed=0, cancels_sent=0, stale_completions=0, bytes=0, resubmitted=0
+        )
         self._closed = False
-        self._stopping = False  # shutdown_workers() was called: exits are expected, not losses
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self, *, timeout: float = 30.0, processes: Sequence[ChildProcess] = ()) -> None:
         """Wait until every worker is ready; raise IOWorkerStartError naming the
         failure (a worker's setup error, a child's exit code and stderr, a timeout)."""
-        if self._receiver is None:
-            loop = asyncio.get_running_loop()
-            self._receiver = loop.create_task(self._receive(), name="ioworker-replies")
-            self._watchdog = loop.create_task(self._watch(), name="ioworker-watchdog")
-        deadline = time.monotonic() + timeout
-        while sum(w.ready for w in self._workers.values()) < self._expected:
-            dead = [p for p in processes if p.exit_code is not None]
-            if self._start_errors or dead:
-                await asyncio.sleep(0.2)  # let a dying child's last stderr lines arrive
-                reasons = [f"I/O worker {i}: {message}" for i, message in sorted(self._start_errors.items())]
-                reasons += [p.describe() for p in processes if p.exit_code is not None]
-                raise IOWorkerStartError("I/O workers failed to start:\n" + "\n".join(reasons))
-            if time.monotonic() > deadline:
-                ready = sorted(i for i, w in self._workers.items() if w.ready)
-                raise IOWorkerStartError(f"only I/O workers {ready} of {self._expected} were ready after {timeout} s")
-            await asyncio.sleep(0.01)
-        self._started = True
+        await self._sessions.start(timeout=timeout, processes=processes)
 
     def shutdown_workers(self) -> None:
         """Ask every connected worker to exit (non-blocking); their exits are no longer losses."""
-        self._stopping = True
-        for worker in self._workers.values():
-            if not worker.lost:
-                self._send(worker, Shutdown(), required=False)
+        self._sessions.shutdown_workers()
 
     async def aclose(self) -> None:
         """Stop receiving, fail pending waits, close the socket (idempotent).
@@ -251,19 +132,11 @@ class IOWorkerBackend:
         if self._closed:
             return
         self._closed = True
-        for task in (self._receiver, self._watchdog):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        await self._sessions.aclose()
         self._parked.clear()
         for slot, record in enumerate(self._records):
             if record.phase == "loading" and record.load is not None:
                 self._fail(slot, record.load, "the I/O backend was closed", code="closed")
-        self._sock.close(linger=0)
-        remove_ipc_file(self.endpoint)
 
     # ----------------------------------------------------- residency calls
 
@@ -325,9 +198,9 @@ class IOWorkerBackend:
             del self._parked[slot]
             self._fail(slot, record.load, "cancelled", code="cancelled")
             return
-        worker = self._workers.get(record.load.worker)
+        worker = self._sessions.workers.get(record.load.worker)
         if worker is not None and not worker.lost:
-            self._send(worker, Cancel(slot=slot, generation=generation), required=False)
+            self._sessions.send(worker, Cancel(slot=slot, generation=generation), required=False)
             self._counts["cancels_sent"] += 1
 
     def lease(self, slot: int, generation: int, consumer: Consumer = "gpu") -> None:
@@ -358,71 +231,30 @@ class IOWorkerBackend:
         """Queue advisory readahead; False when every worker's hint queue is full."""
         if not segments:
             return True
-        checked = check_segments(segments, slot_bytes=None, manifest=self._files)
-        live = [w for w in self._workers.values() if w.ready and not w.lost]
-        if not live:
-            raise BackendStateError("no I/O worker is ready")
-        worker = min(live, key=self._hints_outstanding)
-        if self._hints_outstanding(worker) >= self._hint_capacity:
-            self._hint_local["dropped"] += 1
-            return False
-        if not self._send(worker, Hint(segments=checked), required=False):
-            self._hint_local["errors"] += 1
-            return False
-        worker.hints_sent += 1
-        self._hint_local["submitted"] += 1
-        return True
+        return self._sessions.hint(check_segments(segments, slot_bytes=None, manifest=self._files))
 
     def hint_telemetry(self) -> ExpertIOHintSnapshot:
         """Cumulative hint counters: submitted counts messages this backend sent,
         dropped both its own refusals and the workers' queue drops."""
-        live = [w for w in self._workers.values() if not w.lost]
-        statuses = [w.hint_status for w in self._workers.values()]
-        outstanding = sum(self._hints_outstanding(w) for w in live)
-        in_flight = sum(w.hint_status.in_flight for w in live)
-        retired = self._retired_hints
-        return ExpertIOHintSnapshot(
-            submitted=self._hint_local["submitted"],
-            completed=retired["completed"] + sum(s.completed for s in statuses),
-            dropped=retired["dropped"] + self._hint_local["dropped"] + sum(s.dropped for s in statuses),
-            operations=retired["operations"] + sum(s.operations for s in statuses),
-            bytes=retired["bytes"] + sum(s.bytes for s in statuses),
-            errors=retired["errors"] + self._hint_local["errors"] + sum(s.errors for s in statuses),
-            queue_depth=max(0, outstanding - in_flight),
-            in_flight=in_flight,
-        )
+        return self._sessions.hint_telemetry()
 
     # ------------------------------------------------------------ telemetry
 
     def telemetry(self) -> BackendTelemetry:
-        in_flight = sum(len(w.outstanding) for w in self._workers.values()) + len(self._parked)
-        counts = dict(self._counts, in_flight=in_flight)
-        return BackendTelemetry(**counts)
+        in_flight = self._sessions.in_flight() + len(self._parked)
+        return BackendTelemetry(**self._counts, **self._sessions.counts, in_flight=in_flight)
 
     def worker_modes(self) -> dict[int, tuple[str, ...]]:
         """I/O mode per manifest file, as each ready (and not lost) worker reported it."""
-        return {i: w.modes for i, w in sorted(self._workers.items()) if w.ready and not w.lost}
+        return self._sessions.worker_modes()
 
     def worker_pids(self) -> dict[int, int]:
         """The hello pid of each ready worker that is not lost, by index."""
-        return {i: w.pid for i, w in sorted(self._workers.items()) if w.ready and not w.lost}
+        return self._sessions.worker_pids()
 
     async def request_telemetry(self, *, timeout: float = 5.0) -> tuple[WorkerTelemetry, ...]:
         """Ask every ready worker for its counters (one that cannot be reached is left out)."""
-        loop = asyncio.get_running_loop()
-        waiters = []
-        for worker in list(self._workers.values()):
-            if worker.ready and not worker.lost:
-                error = self._try_send(worker, TelemetryRequest())
-                if error is not None:  # dead before the watchdog's next look, or disconnected
-                    logger.warning("no telemetry from I/O worker %d: %s", worker.index, error)
-                    if not _running(worker.process):
-                        self.worker_lost(worker.index, f"pid {worker.pid} exited (unreachable: {error})")
-                    continue
-                future: asyncio.Future[WorkerTelemetry] = loop.create_future()
-                worker.telemetry_waiters.append(future)
-                waiters.append(future)
-        return tuple(await asyncio.wait_for(asyncio.gather(*waiters), timeout))
+        return await self._sessions.request_telemetry(timeout=timeout)
 
     def worker_lost(self, index: int, reason: str) -> None:
         """A worker process is gone: its in-flight loads go to a live worker at once.
@@ -430,18 +262,72 @@ class IOWorkerBackend:
         Nothing writes them any more, so sending the same (slot, generation) again is safe;
         a late completion from the dead worker is stale (no longer outstanding) and ignored.
         With no live worker they wait for a restarted one, or fail (`worker_lost`)."""
-        worker = self._workers.get(index)
-        if worker is None or worker.lost:
-            return
-        if self._stopping and not worker.outstanding:  # it did what shutdown_workers() asked
-            worker.lost = True
-            logger.info("I/O worker %d (pid %d) exited after shutdown", index, worker.pid)
-            return
-        worker.lost = True
-        self._counts["workers_lost"] += 1
-        orphans = sorted(worker.outstanding)
-        worker.outstanding.clear()
-        logger.error("I/O worker %d (pid %d) lost with %d loads in flight: %s", index, worker.pid, len(orphans), reason)
+        self._sessions.worker_lost(index, reason)
+
+    # ------------------------------------------------------------- internals
+
+    def _record(self, slot: int) -> _Slot:
+        index = require_int(slot, "slot")
+        if index >= len(self._records):
+            raise ValueError(f"slot {index} is outside the slab's {len(self._records)} slots")
+        return self._records[index]
+
+    def _expect(self, slot: int, generation: int, phase: str, action: str) -> _Slot:
+        record = self._record(slot)
+        if record.generation != generation:
+            raise StaleGenerationError(f"{action} of slot {slot} generation {generation}: it holds {record.generation}")
+        if record.phase != phase:
+            raise BackendStateError(f"{action} of slot {slot} generation {generation} refused: it is {record.phase}")
+        return record
+
+    def _place(self, slot: int, load: _Load) -> None:
+        """Send `load` to the least busy reachable worker, or park it; BackendStateError if neither.
+
+        A worker can die between the watchdog's looks: its send fails (host unreachable). Dead,
+        it is lost now (its loads move on); alive (a broken connection), only this load avoids
+        it: a live worker's loads are never sent twice, so no slot gets two writers."""
+        excluded: set[int] = set()
+        while True:
+            worker = self._sessions.least_busy(excluded)
+            if worker is None:  # a load parked before keeps its first deadline
+                if not (self._grace > 0 and self._sessions.started):  # no restarted worker will take it
+                    raise BackendStateError("no I/O worker is ready")
+                load.worker = -1
+                load.parked_until = load.parked_until or time.monotonic() + self._grace
+                self._parked[slot] = load
+                return
+            error = self._sessions.try_send(worker, Load(slot=slot, generation=load.generation, segments=load.segments))
+            if error is None:
+                load.worker, load.parked_until = worker.index, None
+                worker.outstanding.add((slot, load.generation))
+                return
+            logger.warning("I/O worker %d (pid %d) unreachable: %s", worker.index, worker.pid, error)
+            if running(worker.process):
+                excluded.add(worker.index)
+            else:
+                self.worker_lost(worker.index, f"pid {worker.pid} exited (unreachable: {error})")
+
+    def _dispatch_parked(self) -> None:
+        """A worker became ready: hand it (and any other live one) the loads that waited."""
+        for slot, load in sorted(self._parked.items()):
+            del self._parked[slot]
+            try:
+                self._place(slot, load)  # parks it again if nothing can take it
+            except BackendStateError as error:
+                self._fail(slot, load, str(error), code=LOST)
+                continue
+            if slot in self._parked:
+                break
+            self._counts["resubmitted"] += load.orphaned  # a load parked at submit was never sent
+        logger.info("parked loads dispatched; %d still waiting", len(self._parked))
+
+    def _worker_ready(self) -> None:
+        if self._parked:
+            self._dispatch_parked()
+
+    def _orphaned(self, index: int, orphans: list[tuple[int, int]], reason: str) -> None:
+        """The loads a lost worker owed: nothing writes them any more, so they go to a live worker
+        (same slot and generation), wait for a restarted one, or fail."""
         moved: dict[int, int] = {}
         for slot, generation in orphans:
             record = self._records[slot]
@@ -463,111 +349,16 @@ class IOWorkerBackend:
                 for i, n in sorted(moved.items())
             )
             logger.warning("re-submitted the in-flight loads of lost I/O worker %d: %s", index, where)
-        for future in worker.telemetry_waiters:
-            if not future.done():
-                future.set_exception(IOWorkerStartError(f"I/O worker {index} was lost"))
-        worker.telemetry_waiters.clear()
 
-    # ------------------------------------------------------------- internals
-
-    def _record(self, slot: int) -> _Slot:
-        index = require_int(slot, "slot")
-        if index >= len(self._records):
-            raise ValueError(f"slot {index} is outside the slab's {len(self._records)} slots")
-        return self._records[index]
-
-    def _expect(self, slot: int, generation: int, phase: str, action: str) -> _Slot:
-        record = self._record(slot)
-        if record.generation != generation:
-            raise StaleGenerationError(f"{action} of slot {slot} generation {generation}: it holds {record.generation}")
-        if record.phase != phase:
-            raise BackendStateError(f"{action} of slot {slot} generation {generation} refused: it is {record.phase}")
-        return record
-
-    def _choose_worker(self, *, park: bool = False, exclude: set[int] | None = None) -> _Worker | None:
-        """The least busy live worker; None (park the load) when no worker can take it but a
-        restarted one may; BackendStateError when nothing can take it."""
-        live = [w for w in self._workers.values() if w.ready and not w.lost and w.index not in (exclude or ())]
-        if not live:
-            if park and self._grace > 0 and self._started:  # a restarted worker will take it
-                return None
-            raise BackendStateError("no I/O worker is ready")
-        # Fewest in flight; ties rotate so equal workers share the load.
-        self._next += 1
-        return min(live, key=lambda w: (len(w.outstanding), (w.index - self._next) % len(self._workers)))
-
-    def _place(self, slot: int, load: _Load) -> None:
-        """Send `load` to the least busy reachable worker, or park it; BackendStateError if neither.
-
-        A worker can die between the watchdog's looks: its send fails (host unreachable). Dead,
-        it is lost now (its loads move on); alive (a broken connection), only this load avoids
-        it: a live worker's loads are never sent twice, so no slot gets two writers."""
-        excluded: set[int] = set()
-        while True:
-            worker = self._choose_worker(park=True, exclude=excluded)
-            if worker is None:  # a load parked before keeps its first deadline
-                load.worker = -1
-                load.parked_until = load.parked_until or time.monotonic() + self._grace
-                self._parked[slot] = load
-                return
-            error = self._try_send(worker, Load(slot=slot, generation=load.generation, segments=load.segments))
-            if error is None:
-                load.worker, load.parked_until = worker.index, None
-                worker.outstanding.add((slot, load.generation))
-                return
-            logger.warning("I/O worker %d (pid %d) unreachable: %s", worker.index, worker.pid, error)
-            if _running(worker.process):
-                excluded.add(worker.index)
-            else:
-                self.worker_lost(worker.index, f"pid {worker.pid} exited (unreachable: {error})")
-
-    def _dispatch_parked(self) -> None:
-        """A worker became ready: hand it (and any other live one) the loads that waited."""
+    def _expire(self) -> None:
+        """Parked loads whose grace has passed fail (the watchdog's tick)."""
+        now = time.monotonic()
         for slot, load in sorted(self._parked.items()):
-            del self._parked[slot]
-            try:
-                self._place(slot, load)  # parks it again if nothing can take it
-            except BackendStateError as error:
-                self._fail(slot, load, str(error), code=LOST)
-                continue
-            if slot in self._parked:
-                break
-            self._counts["resubmitted"] += load.orphaned  # a load parked at submit was never sent
-        logger.info("parked loads dispatched; %d still waiting", len(self._parked))
-
-    async def _watch(self) -> None:
-        """Notice dead workers by pid (nobody may call worker_lost), and expire parked loads."""
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            for worker in list(self._workers.values()):
-                if not worker.lost and not _running(worker.process):
-                    self.worker_lost(worker.index, f"pid {worker.pid} exited")
-            now = time.monotonic()
-            for slot, load in sorted(self._parked.items()):
-                if load.parked_until is not None and now >= load.parked_until:
-                    del self._parked[slot]
-                    self._fail(
-                        slot, load, f"every I/O worker was lost and none came back within {self._grace:g} s", code=LOST
-                    )
-
-    def _hints_outstanding(self, worker: _Worker) -> int:
-        return worker.hints_sent - worker.hint_status.completed - worker.hint_status.dropped
-
-    def _try_send(self, worker: _Worker, message: object) -> BaseException | None:
-        if self._closed:
-            raise BackendStateError("the I/O backend is closed")
-        frames = [worker.identity, encode(message)]  # type: ignore[arg-type]
-        sent = self._sock.send_multipart(frames, flags=zmq.DONTWAIT)
-        return sent.exception()  # DONTWAIT resolves at once
-
-    def _send(self, worker: _Worker, message: object, *, required: bool = True) -> bool:
-        error = self._try_send(worker, message)
-        if error is None:
-            return True
-        if required:
-            raise BackendStateError(f"cannot reach I/O worker {worker.index}: {error}") from error
-        logger.warning("message to I/O worker %d dropped: %s", worker.index, error)
-        return False
+            if load.parked_until is not None and now >= load.parked_until:
+                del self._parked[slot]
+                self._fail(
+                    slot, load, f"every I/O worker was lost and none came back within {self._grace:g} s", code=LOST
+                )
 
     def _fail(
         self,
@@ -587,88 +378,9 @@ class IOWorkerBackend:
         if not load.future.done():
             load.future.set_result(None)
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart()
-            while True:
-                try:
-                    self._dispatch(frames)
-                except Exception:  # a bad reply must never stop the coordinator
-                    self._counts["bad_replies"] += 1
-                    logger.exception("failed to handle a reply from an I/O worker")
-                # Drain what is already queued without a trip through the event loop.
-                ready = self._sock.recv_multipart(flags=zmq.DONTWAIT)
-                if ready.exception() is not None:  # zmq.Again: nothing more for now
-                    break
-                frames = ready.result()
-
-    def _bad(self, message: str, *args: object) -> None:
-        self._counts["bad_replies"] += 1
-        logger.warning("bad reply from an I/O worker: " + message, *args)
-
-    def _dispatch(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            return self._bad("expected identity + one frame, got %d frames", len(frames))
-        identity, payload = frames
-        try:
-            reply = decode(payload, WORKER_REPLIES)
-        except ProtocolError as error:
-            return self._bad("%s: %s", identity, error)
-        if isinstance(reply, Hello):
-            return self._hello(identity, reply)
-        index = self._by_identity.get(identity)
-        worker = None if index is None else self._workers[index]
-        if worker is None:
-            return self._bad("%r from %s before its hello", reply, identity)
-        if isinstance(reply, Loaded):
-            self._loaded(worker, reply)
-        elif isinstance(reply, Ready):
-            if reply.index != worker.index:
-                return self._bad("ready for index %d from worker %d", reply.index, worker.index)
-            worker.ready, worker.modes = True, reply.modes
-            logger.info("I/O worker %d (pid %d) ready, modes %s", worker.index, reply.pid, sorted(set(reply.modes)))
-            if self._parked:
-                self._dispatch_parked()
-        elif isinstance(reply, HintStatus):
-            worker.hint_status = reply
-        elif isinstance(reply, WorkerTelemetry):
-            while worker.telemetry_waiters:
-                future = worker.telemetry_waiters.pop(0)
-                if not future.done():
-                    future.set_result(reply)
-                    break
-        elif isinstance(reply, ErrorReply):
-            self._counts["worker_errors"] += 1
-            if not worker.ready:
-                self._start_errors[worker.index] = f"{reply.code}: {reply.message}"
-            logger.warning("I/O worker %d reported %s: %s", worker.index, reply.code, reply.message)
-
-    def _hello(self, identity: bytes, hello: Hello) -> None:
-        if hello.index >= self._expected:
-            return self._bad("hello from index %d; only %d workers are expected", hello.index, self._expected)
-        previous = self._workers.get(hello.index)
-        if previous is not None and not previous.lost and not _running(previous.process):
-            # Its replacement said hello before the watchdog's next look.
-            self.worker_lost(previous.index, f"pid {previous.pid} exited; pid {hello.pid} replaces it")
-        if previous is not None and not previous.lost:
-            # Replacing a live worker could let two processes write the same slots.
-            self._bad("hello from pid %d for index %d, held by pid %d", hello.pid, hello.index, previous.pid)
-            refusal = ErrorReply(code="duplicate_index", message=f"I/O worker index {hello.index} is taken")
-            self._send(_Worker(index=hello.index, identity=identity, pid=hello.pid), refusal, required=False)
-            return
-        if previous is not None:
-            self._by_identity.pop(previous.identity, None)  # a restarted worker after worker_lost()
-            for name in self._retired_hints:
-                self._retired_hints[name] += getattr(previous.hint_status, name)
-            logger.info("I/O worker %d: pid %d replaces lost pid %d", hello.index, hello.pid, previous.pid)
-        worker = _Worker(index=hello.index, identity=identity, pid=hello.pid, process=_process(hello.pid))
-        self._workers[hello.index] = worker
-        self._by_identity[identity] = hello.index
-        self._send(worker, Welcome(index=hello.index), required=False)
-
-    def _loaded(self, worker: _Worker, reply: Loaded) -> None:
-        key = (reply.slot, reply.generation)
-        if key not in worker.outstanding:
+    def _loaded(self, worker: WorkerSession, reply: Loaded, owed: bool) -> None:
+        """A worker's `loaded`: applied only to the load it owed, into the slot still waiting for it."""
+        if not owed:
             self._counts["stale_completions"] += 1
             logger.info(
                 "ignored stale completion of slot %d generation %d from I/O worker %d",
@@ -677,7 +389,6 @@ class IOWorkerBackend:
                 worker.index,
             )
             return
-        worker.outstanding.discard(key)
         record = self._records[reply.slot]
         load = record.load
         if record.phase != "loading" or load is None or load.generation != reply.generation:
@@ -702,12 +413,4 @@ class IOWorkerBackend:
         load.future.set_result(None)
 
 
-__all__ = [
-    "BackendStateError",
-    "BackendTelemetry",
-    "ExpertLoadError",
-    "IOWorkerBackend",
-    "IOWorkerStartError",
-    "LoadCompletion",
-    "StaleGenerationError",
-]
+__all__ = ["LOST", "IOWorkerBackend"]

@@ -13,15 +13,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from coordinator.backend import (
-    WATCH_INTERVAL_S,
-    BackendStateError,
-    ExpertLoadError,
-    IOWorkerBackend,
-    IOWorkerStartError,
-    StaleGenerationError,
-)
+from coordinator.backend import IOWorkerBackend
 from coordinator.io_pool import IOWorkerPool
+from coordinator.io_results import BackendStateError, ExpertLoadError, IOWorkerStartError, StaleGenerationError
+from coordinator.io_sessions import WATCH_INTERVAL_S
 from coordinator.residency_backend import ExpertResidencyBackend
 from shared.io_messages import WORKER_COMMANDS, Hello, HintStatus, Load, Loaded, Ready, Welcome
 from shared.protocol import decode, encode

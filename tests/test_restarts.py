@@ -24,8 +24,8 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.backend import ExpertLoadError
 from coordinator.io_pool import IOWorkerPool
+from coordinator.io_results import ExpertLoadError
 from coordinator.usage import ExpertUsageLedger
 from shared.children import spawn_child, stop_children
 from shared.client import Client
