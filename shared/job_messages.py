@@ -103,7 +103,7 @@ class JobStats:
     hints_skipped_resident: int = 0
     wrap_path: str = "copy"
     bytes_copied: int = 0
-    footprint_bytes: int = 0  # dense + slab resident + process growth since start (coordinator/safepoint.py)
+    footprint_bytes: int = 0  # dense + slab resident + process growth since start (coordinator/footprint.py)
     peak_footprint_bytes: int = 0  # the largest footprint sampled during the job (at safe points)
     budget_bytes: int = 0
     io_fallback_ops: int = 0  # reads served buffered because O_DIRECT was refused
