@@ -54,6 +54,7 @@ from shared.job_messages import (
     TokenEvent,
 )
 from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
+from shared.sockets import open_socket
 
 __all__ = [
     "BUSY",
@@ -218,13 +219,9 @@ class Client:
         self._closed = False
         # An own context, so closing this client never touches anyone else's sockets.
         self._context = zmq.Context()
-        self._sock = self._context.socket(zmq.DEALER)
         try:
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            self._sock.connect(endpoint)
+            self._sock = open_socket(self._context, zmq.DEALER, connect=endpoint, unbounded=False)
         except zmq.ZMQError as error:
-            self._sock.close(linger=0)
             self._context.term()
             raise ValueError(f"cannot connect to {endpoint!r}: {error}") from None
 
