@@ -1,4 +1,7 @@
-"""Shared fixtures: every test is checked for leaked processes and shm segments."""
+"""Shared fixtures: every test is checked for leaked processes and shm segments.
+
+Nothing imports this module (pytest loads it); the helpers tests share live in tests/helpers/.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import psutil
 import pytest
 
 from shared.slab import SLAB_NAME_PREFIX, SLAB_TAG_ENV
+from tests.helpers.supervisor import stop_leftover_supervisors
 
 SHM_DIR = Path("/dev/shm")
 # Every slab this test session (and the processes it spawns) creates carries this tag,
@@ -41,6 +45,9 @@ def no_leaks():
     shm_before = _shm_entries()
     children_before = {child.pid for child in me.children(recursive=True)}
     yield
+    # A supervisor a (failed) test left running is stopped first, so the check below reports the
+    # failure, not its consequences.
+    stop_leftover_supervisors()
     leftover_children = [child for child in me.children(recursive=True) if child.pid not in children_before]
     for child in leftover_children:
         try:

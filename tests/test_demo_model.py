@@ -27,7 +27,7 @@ from shared.demo_model import (
     suggested_budget,
 )
 from shared.store import ExpertStore
-from tests.tiny_models import build_tiny_model
+from tests.helpers.models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(

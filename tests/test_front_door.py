@@ -15,6 +15,7 @@ import msgpack
 import pytest
 
 from shared.client import Client, JobError, ServerBusy
+from shared.demo_model import VOCAB_SIZE
 from shared.job_messages import (
     MAX_REQUEST_BYTES,
     Done,
@@ -22,9 +23,9 @@ from shared.job_messages import (
     JobFailed,
     TokenEvent,
 )
-from tests.coordinator_helpers import RawClient, start
-from tests.system_helpers import PROMPT, run_job, wait_for
-from tests.tiny_models import VOCAB_SIZE, write_tiny_model
+from tests.helpers.models import write_tiny_model
+from tests.helpers.raw_client import RawClient
+from tests.helpers.system import PROMPT, run_job, start_test_system, wait_for
 
 QUEUE_LIMIT = 2
 CONTEXT = 2048  # the tiny models' max_position_embeddings
@@ -34,7 +35,7 @@ FOREVER = 100_000  # max_tokens of a job that only ends when cancelled
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("front-door"), family="qwen3_moe")
-    with start(path, config=dict(queue_limit=QUEUE_LIMIT)) as running:
+    with start_test_system(path, run_config=dict(queue_limit=QUEUE_LIMIT)) as running:
         yield running
 
 

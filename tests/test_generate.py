@@ -7,7 +7,6 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -25,9 +24,11 @@ from gpuworker.generate import (
     run_job,
     vocab_size,
 )
+from shared.demo_model import EOS_TOKEN_ID, VOCAB_SIZE
 from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Job, JobDone, Token
 from shared.protocol import decode, encode
-from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, write_tiny_model
+from tests.helpers.models import write_tiny_model
+from tests.helpers.oracle import generate_steps
 
 PROMPT = list(b"Once upon a time, in a land far away,")
 
@@ -40,14 +41,10 @@ def loaded(tmp_path_factory):
     return model, tokenizer, config
 
 
-def _mlx_lm(model, prompt, max_tokens, **kwargs) -> list[int]:
-    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, **kwargs)]
-
-
 def test_greedy_is_generate_step_and_after_forward_runs_per_model_call(loaded):
     model, tokenizer, _ = loaded
     tokenizer.eos_token_ids = {EOS_TOKEN_ID}
-    want = _mlx_lm(model, PROMPT, 8, prefill_step_size=16)
+    want = generate_steps(model, PROMPT, 8, prefill_step_size=16).tokens
     calls, seen = [], []
     result = generate(
         model,
@@ -75,7 +72,7 @@ def test_greedy_is_generate_step_and_after_forward_runs_per_model_call(loaded):
 
 def test_eos_stops_and_is_not_emitted(loaded):
     model, tokenizer, _ = loaded
-    want = _mlx_lm(model, PROMPT, 6)
+    want = generate_steps(model, PROMPT, 6).tokens
     stop_at = next(i for i in range(1, 6) if want[i] not in want[:i])
     tokenizer.eos_token_ids = {want[stop_at]}
     try:
@@ -102,7 +99,7 @@ def test_sampling_is_mlx_lm_with_the_seed(loaded):
     finally:
         tokenizer.eos_token_ids = {EOS_TOKEN_ID}
     mx.random.seed(7)
-    want = _mlx_lm(model, PROMPT, 8, sampler=make_sampler(1.5, top_p=0.9))
+    want = generate_steps(model, PROMPT, 8, sampler=make_sampler(1.5, top_p=0.9)).tokens
     assert list(first.tokens) == list(again.tokens) == want
     assert list(other.tokens) != want
 
@@ -112,7 +109,7 @@ def test_logprobs_are_the_steps_log_softmax(loaded):
     sent: list[Token] = []
     job = Job(job_id=3, prompt_tokens=tuple(PROMPT), max_tokens=3, return_logprobs=True)
     result = run_job(job, model=model, tokenizer=tokenizer, config=config, send=sent.append)
-    want = [np.array(lp) for _, lp in generate_step(mx.array(PROMPT), model, max_tokens=3)]
+    want = [np.array(lp) for lp in generate_steps(model, PROMPT, 3).logprobs]
     assert len(sent) == len(result.tokens)
     for token, lp in zip(sent, want):
         got = np.frombuffer(token.logprobs, dtype="<f4")

@@ -1,8 +1,9 @@
 """gpuworker.model / gpuworker.streamed against mlx-lm's own generation, family by family.
 
 The oracle is mlx-lm's `load_model` + `generate_step` on the fully loaded
-model; ours is `load_streamed_model` with an in-memory provider whose working
-bank is exactly top_k experts, so every prefill needs several waves.
+model (tests/helpers/oracle.py, with its route recorder); ours is
+`load_streamed_model` with an in-memory provider whose working bank is exactly
+top_k experts, so every prefill needs several waves.
 """
 
 from __future__ import annotations
@@ -18,20 +19,19 @@ import weakref
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import load_model, save_config, save_model
+from mlx_lm.utils import load_model
 
 from gpuworker import streamed
 from gpuworker.expert_provider import ExpertProviderError, LeasedWave
 from gpuworker.lanes import decode_parts, lane_stream, part_lanes
 from gpuworker.model import check_against_store, load_streamed_model, streamed_switches
 from gpuworker.slots import slot_arrays
-from tests.tiny_models import FAMILIES, build_tiny_model, write_tiny_model, write_tokenizer
+from tests.helpers.models import FAMILIES, write_tiny_model
+from tests.helpers.oracle import generate_steps, record_routes, relative_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = list(b"The quick brown fox jumps over the lazy dog, again and again.")
@@ -41,27 +41,6 @@ RTOL = 1e-4
 
 # ---------------------------------------------------------------------------------------------
 # Models and providers
-
-
-def _write_model(path: Path, family: str, quantized: bool, **overrides) -> Path:
-    """A tiny model of `family`; routers that mlx-lm initializes to zeros get random weights.
-
-    (deepseek_v3's MoEGate starts at zeros, which routes every token to the
-    same experts and would leave waves and remapping untested.)
-    """
-    model, config = build_tiny_model(family, quantized=quantized, **overrides)
-    for index, layer in enumerate(model.model.layers):
-        gate = getattr(getattr(layer, "mlp", None), "gate", None)
-        weight = gate.get("weight") if gate is not None else None
-        if weight is not None and not isinstance(getattr(gate, "scales", None), mx.array) and not weight.any():
-            mx.random.seed(100 + index)
-            gate.weight = mx.random.normal(weight.shape).astype(weight.dtype)
-    mx.eval(model.parameters())
-    path.mkdir(parents=True, exist_ok=True)
-    save_model(path, model)
-    save_config(config, config_path=path / "config.json")
-    write_tokenizer(path)
-    return path
 
 
 def _experts_of(model) -> dict[int, dict[str, mx.array]]:
@@ -152,48 +131,15 @@ def models(tmp_path_factory):
     def get(family: str, quantized: bool, dtype: str = "float32") -> Path:
         key = (family, quantized, dtype)
         if key not in made:
-            made[key] = _write_model(
-                tmp_path_factory.mktemp(f"{family}-{int(quantized)}-{dtype}"), family, quantized, dtype=dtype
+            made[key] = write_tiny_model(
+                tmp_path_factory.mktemp(f"{family}-{int(quantized)}-{dtype}"),
+                family=family,
+                quantized=quantized,
+                dtype=dtype,
             )
         return made[key]
 
     return get
-
-
-def _rel(a: mx.array, b: mx.array) -> float:
-    a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
-    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
-
-
-def _greedy(model, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
-    tokens, logprobs = [], []
-    for token, lp in generate_step(mx.array(prompt), model, max_tokens=GENERATED):
-        tokens.append(token)
-        logprobs.append(lp)
-    return tokens, logprobs
-
-
-def _record_routes(model) -> dict[int, list[np.ndarray]]:
-    """Wrap the oracle's switch modules to record the indices its routers produce."""
-    seen: dict[int, list[np.ndarray]] = {}
-
-    class Recorder(nn.Module):
-        def __init__(self, inner, layer):
-            super().__init__()
-            self.inner, self.layer = inner, layer
-
-        def __call__(self, x, indices):
-            seen.setdefault(self.layer, []).append(np.array(indices).reshape(-1, indices.shape[-1]))
-            return self.inner(x, indices)
-
-    for name, module in model.named_modules():
-        if isinstance(module, (SwitchGLU, SwitchMLP)):
-            *parent, key = name.split(".")
-            owner = model
-            for part in parent:
-                owner = owner[int(part)] if isinstance(owner, list) else owner[part]
-            owner[key] = Recorder(module, int(re.findall(r"layers\.(\d+)", name)[-1]))
-    return seen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +156,7 @@ def test_streamed_generation_equals_mlx_lm(family, quantized, models, log):
     provider = RecordingProvider(experts, bank=top_k, log=log)
     model, info = load_streamed_model(path, provider=provider)
     provider.model = model
-    oracle_routes = _record_routes(oracle)
+    oracle_routes = record_routes(oracle)
 
     # No routed-expert parameter is held, and every sparse layer is streamed.
     held = dict(tree_flatten(model.parameters()))
@@ -221,10 +167,10 @@ def test_streamed_generation_equals_mlx_lm(family, quantized, models, log):
     assert info.dense_bytes + info.routed_bytes == full
 
     # Greedy generation: same tokens, log-probabilities within RTOL.
-    want_tokens, want_lp = _greedy(oracle, PROMPT)
-    got_tokens, got_lp = _greedy(model, PROMPT)
+    want_tokens, want_lp = generate_steps(oracle, PROMPT, GENERATED)
+    got_tokens, got_lp = generate_steps(model, PROMPT, GENERATED)
     assert got_tokens == want_tokens
-    step_diff = max(_rel(a, b) for a, b in zip(want_lp, got_lp))
+    step_diff = max(relative_difference(a, b) for a, b in zip(want_lp, got_lp))
     assert step_diff <= RTOL
     assert any(waves > 1 for _, _, waves in provider.calls), "prefill never needed several waves"
     # The provider saw every router selection, before dedup: as many as mlx-lm's routers made.
@@ -232,7 +178,7 @@ def test_streamed_generation_equals_mlx_lm(family, quantized, models, log):
         assert sum(r.size for at, r, _ in provider.calls if at == layer) == sum(r.size for r in seen)
 
     # Logits of the whole prompt in one forward (multi-wave prefill).
-    logits_diff = _rel(oracle(mx.array([PROMPT])), model(mx.array([PROMPT])))
+    logits_diff = relative_difference(oracle(mx.array([PROMPT])), model(mx.array([PROMPT])))
     assert logits_diff <= RTOL
     logging.getLogger(__name__).info(
         "%s %s: max relative difference %.3g (steps), %.3g (logits)",
@@ -254,7 +200,7 @@ def test_one_wave_is_bit_identical_and_routes_are_every_selection(family, models
     experts = _experts_of(oracle)
     provider = RecordingProvider(experts, bank=10**6, log=log)
     model, _ = load_streamed_model(path, provider=provider)
-    routes = _record_routes(oracle)
+    routes = record_routes(oracle)
 
     ids = mx.array([PROMPT[:40], PROMPT[5:45]])  # batch 2 x 40 tokens: mlx-lm sorts (>= 64 selections)
     want, got = oracle(ids), model(ids)
@@ -511,15 +457,15 @@ def test_stacked_waves_are_bit_identical(family, quantized, models):
     model, _ = load_streamed_model(path, provider=one_wave)
     ids = mx.array([PROMPT[:40], PROMPT[5:45]])
     assert mx.array_equal(oracle(ids), model(ids)).item()  # one wave: mlx-lm's computation exactly
-    want_tokens, want_lp = _greedy(oracle, PROMPT)
-    got_tokens, got_lp = _greedy(model, PROMPT)
+    want_tokens, want_lp = generate_steps(oracle, PROMPT, GENERATED)
+    got_tokens, got_lp = generate_steps(model, PROMPT, GENERATED)
     assert got_tokens == want_tokens
     assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))  # decode: bit for bit
     # A working bank of top_k: prefill in several stacked waves.
     banked = StackedProvider(experts, bank=top_k)
     model, _ = load_streamed_model(path, provider=banked)
-    got_tokens, got_lp = _greedy(model, PROMPT)
-    assert got_tokens == want_tokens and max(_rel(a, b) for a, b in zip(want_lp, got_lp)) <= RTOL
+    got_tokens, got_lp = generate_steps(model, PROMPT, GENERATED)
+    assert got_tokens == want_tokens and max(relative_difference(a, b) for a, b in zip(want_lp, got_lp)) <= RTOL
     assert banked.fenced == banked.waves > len(experts) * (GENERATED + 1)
 
 
@@ -580,8 +526,8 @@ def test_detached_waves_compute_asynchronously_and_stay_bit_identical(family, mo
     monkeypatch.setattr(streamed, "_evaluate_async", lambda *a: (calls.append(len(a)), mx.async_eval(*a)))
     provider = DetachedProvider(_experts_of(oracle), bank=10**6)
     model, _ = load_streamed_model(path, provider=provider)
-    want_tokens, want_lp = _greedy(oracle, PROMPT)
-    got_tokens, got_lp = _greedy(model, PROMPT)
+    want_tokens, want_lp = generate_steps(oracle, PROMPT, GENERATED)
+    got_tokens, got_lp = generate_steps(model, PROMPT, GENERATED)
     assert got_tokens == want_tokens
     assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))
     assert calls and provider.async_outputs == provider.fenced == provider.waves == len(calls)
@@ -633,7 +579,7 @@ def test_decode_parts_compute_bit_identically(family, quantized, lanes, models, 
     top_k = config.get("num_experts_per_tok") or config["experts_per_token"]
     provider = PartedProvider(_experts_of(oracle), bank=10**6, lanes=lanes)
     model, _ = load_streamed_model(path, provider=provider)
-    want_tokens, want_lp = _greedy(oracle, PROMPT)
+    want_tokens, want_lp = generate_steps(oracle, PROMPT, GENERATED)
     used: set[int] = set()
 
     def recording_lane_stream(lane: int) -> mx.Stream:
@@ -641,7 +587,7 @@ def test_decode_parts_compute_bit_identically(family, quantized, lanes, models, 
         return lane_stream(lane)
 
     monkeypatch.setattr(streamed, "lane_stream", recording_lane_stream)
-    got_tokens, got_lp = _greedy(model, PROMPT)
+    got_tokens, got_lp = generate_steps(model, PROMPT, GENERATED)
     assert got_tokens == want_tokens
     assert all(mx.array_equal(a, b).item() for a, b in zip(want_lp, got_lp))  # bit for bit
     assert used == set(range(lanes))  # the parts ran on every lane (distinct streams: test_lanes)
@@ -689,5 +635,5 @@ def test_parts_that_are_not_the_route_ranks_are_refused_and_fenced(models):
     provider = Shuffled(_experts_of(oracle), bank=10**6)
     model, _ = load_streamed_model(path, provider=provider)
     with pytest.raises(ExpertProviderError, match="not the route's ranks"):
-        _greedy(model, PROMPT)
+        generate_steps(model, PROMPT, GENERATED)
     assert provider.fenced == provider.waves  # the refused wave was fenced all the same

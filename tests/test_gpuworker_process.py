@@ -6,13 +6,13 @@ working bank of exactly top_k slots (so prefill needs several waves), reads
 each leased expert into its slots from the checkpoint with the store's
 segments, and overwrites the slots with NaN bytes right after every fence, so
 a worker that read a slot after fencing it could not stay token-exact. The
-oracle is mlx-lm's `generate_step` on the fully loaded model.
+oracle is mlx-lm's `generate_step` on the fully loaded model, with every
+router selection recorded (tests/helpers/oracle.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,17 +20,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from mlx_lm.generate import generate_step
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import load_model
 
 from gpuworker.channel import Channel, LeaseError, WorkerStopping
+from shared.demo_model import EOS_TOKEN_ID
 from shared.gpu_messages import (
     COORDINATOR_ACCEPTS_FROM_GPU,
     Fence,
@@ -52,7 +48,8 @@ from shared.protocol import ErrorReply, decode, encode, error_frame
 from shared.slab import Slab
 from shared.store import ExpertStore
 from shared.waves import build_expert_batch_union, wave_partition
-from tests.tiny_models import EOS_TOKEN_ID, write_tiny_model
+from tests.helpers.models import write_tiny_model
+from tests.helpers.oracle import oracle, relative_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = list(b"The quick brown fox jumps over the lazy dog.")
@@ -286,49 +283,18 @@ class FakeCoordinator:
         self.active = None
 
 
-# ------------------------------------------------------------------------------ the oracle
-
-
-def _oracle(model_dir: Path, prompt: list[int], max_tokens: int):
-    """mlx-lm on the fully loaded model: greedy tokens, log-probabilities, every router selection."""
-    model, _ = load_model(model_dir)
-    routes: dict[int, list[np.ndarray]] = {}
-
-    class Recorder(nn.Module):
-        def __init__(self, inner, layer):
-            super().__init__()
-            self.inner, self.layer = inner, layer
-
-        def __call__(self, x, indices):
-            routes.setdefault(self.layer, []).append(np.array(indices).reshape(-1, indices.shape[-1]))
-            return self.inner(x, indices)
-
-    for name, module in model.named_modules():
-        if isinstance(module, (SwitchGLU, SwitchMLP)):
-            *parent, key = name.split(".")
-            owner = model
-            for part in parent:
-                owner = owner[int(part)] if isinstance(owner, list) else owner[part]
-            owner[key] = Recorder(module, int(re.findall(r"layers\.(\d+)", name)[-1]))
-    tokens, logprobs = [], []
-    for token, lp in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        tokens.append(token)
-        logprobs.append(np.array(lp.astype(mx.float32)))
-    return tokens, logprobs, routes
+# ------------------------------------------------------------------------------ what the oracle says
 
 
 def _until_eos(tokens: list[int]) -> list[int]:
+    """The oracle's tokens as the worker emits them: EOS ends the job and is not emitted."""
     return tokens[: tokens.index(EOS_TOKEN_ID)] if EOS_TOKEN_ID in tokens else tokens
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
 
 
 # ------------------------------------------------------------------------------ fixtures
 
 
-def _start(tmp_path_factory, name: str, family: str, quantized: bool):
+def _start_gpu_worker(tmp_path_factory, name: str, family: str, quantized: bool):
     directory = tmp_path_factory.mktemp(name)
     model_dir = write_tiny_model(directory / "model", family=family, quantized=quantized)
     top_k = ExpertStore.open(model_dir).top_k
@@ -344,15 +310,14 @@ def _start(tmp_path_factory, name: str, family: str, quantized: bool):
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
-    coordinator, model_dir, ready = _start(tmp_path_factory, "fp32", "qwen3_moe", False)
-    oracle = _oracle(model_dir, PROMPT, GENERATED)
-    yield coordinator, model_dir, ready, oracle
+    coordinator, model_dir, ready = _start_gpu_worker(tmp_path_factory, "fp32", "qwen3_moe", False)
+    yield coordinator, model_dir, ready, oracle(model_dir, PROMPT, GENERATED, routes=True)
     coordinator.close()
 
 
 @pytest.fixture(scope="module")
 def q4(tmp_path_factory):
-    coordinator, model_dir, ready = _start(tmp_path_factory, "q4", "mixtral", True)
+    coordinator, model_dir, ready = _start_gpu_worker(tmp_path_factory, "q4", "mixtral", True)
     yield coordinator, model_dir, ready
     coordinator.close()
 
@@ -434,7 +399,7 @@ def test_greedy_generation_is_mlx_lm_token_for_token(fp32):
     assert [t.index for t in tokens] == list(range(len(expected)))
     for token, lp in zip(tokens, want_lp):
         got = np.frombuffer(token.logprobs, dtype="<f4")
-        assert got.shape == lp.shape and _rel(lp, got) <= RTOL
+        assert got.shape == lp.shape and relative_difference(lp, got) <= RTOL
     assert done.prompt_tokens == len(PROMPT) and done.prefill_ms > 0 and done.lease_wait_ms > 0
     # Every slot byte leased was copied once into MLX (CPU), and said so.
     assert done.wrap_path == "copy" and done.bytes_copied == coordinator.leased_bytes > 0 and done.copy_ms > 0
@@ -590,12 +555,12 @@ def test_malformed_frames_get_error_replies_and_the_worker_serves_on(fp32):
 
 def test_quantized_family_is_token_exact(q4, tmp_path):
     coordinator, model_dir, _ready = q4
-    want_tokens, want_lp, _ = _oracle(model_dir, PROMPT, 6)
+    want_tokens, want_lp, _ = oracle(model_dir, PROMPT, 6)
     tokens, done = coordinator.run_job(Job(job_id=40, prompt_tokens=tuple(PROMPT), max_tokens=6, return_logprobs=True))
     assert isinstance(done, JobDone), done
     assert list(done.tokens) == _until_eos(want_tokens)
     for token, lp in zip(tokens, want_lp):
-        assert _rel(lp, np.frombuffer(token.logprobs, dtype="<f4")) <= RTOL
+        assert relative_difference(lp, np.frombuffer(token.logprobs, dtype="<f4")) <= RTOL
 
 
 def test_sigterm_mid_job_fences_and_exits_zero(q4):

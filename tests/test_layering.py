@@ -7,12 +7,16 @@ module level, inside functions, and inside `if TYPE_CHECKING:` blocks.
 - the process packages (`coordinator/`, `ioworker/`, `gpuworker/`, `supervisor/`) never
   import one another: they meet only through `shared/` types and the wire;
 - no import cycle between product modules;
-- no Python file outside `tests/` over 450 lines.
+- no Python file outside `tests/` over 450 lines;
+- in `tests/`: every file is a test module (`test_*.py`), `conftest.py` or a helper in
+  `tests/helpers/`; no test module imports another, nothing imports `conftest.py`, and helpers
+  are imported only as `tests.helpers...`.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -40,9 +44,9 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def imported_modules(source: str, here: str, *, is_package: bool = False) -> set[str]:
+def imported_modules(source: str, here: str, *, is_package: bool = False, known: Collection[str] = MODULES) -> set[str]:
     """Every module the source of module `here` imports (absolute names; `from a import b` also
-    counts `a.b` when that is a module)."""
+    counts `a.b` when that is a module in `known`)."""
     tree = ast.parse(source)
     package = here if is_package else here.rpartition(".")[0]
     names: set[str] = set()
@@ -56,7 +60,7 @@ def imported_modules(source: str, here: str, *, is_package: bool = False) -> set
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
             names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES)
+            names.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known)
     return names
 
 
@@ -146,3 +150,75 @@ def test_the_readers_see_every_kind_of_import():
     assert {"coordinator.residency", "gpuworker.lanes", "shared", "shared.checks", "shared.plan"} <= found
     assert find_cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": ["b"], "b": [], "c": ["a", "b"]}) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# tests/: test modules import helpers from tests/helpers/, never from one another
+
+TESTS = REPO / "tests"
+HELPERS = "tests.helpers"
+TEST_TREE = {_module_name(path): path for path in sorted(TESTS.rglob("*.py"))}
+
+
+def _in_test_tree(name: str) -> str | None:
+    """The tests/ module an import names: as `tests.x`, or as `x` (pytest puts tests/ on sys.path)."""
+    return next((candidate for candidate in (name, f"tests.{name}") if candidate in TEST_TREE), None)
+
+
+def wrong_test_imports(source: str, here: str, *, is_package: bool = False) -> list[str]:
+    """What the source of tests/ module `here` imports from tests/ other than `tests.helpers...`
+    (another test module, conftest, or a helper under another name)."""
+    known = {*MODULES, *TEST_TREE, *(name.removeprefix("tests.") for name in TEST_TREE)}
+    wrong = []
+    for name in sorted(imported_modules(source, here, is_package=is_package, known=known)):
+        target = _in_test_tree(name)
+        if target is None or target == "tests":
+            continue
+        if name != target or not (name == HELPERS or name.startswith(f"{HELPERS}.")):
+            wrong.append(name)
+    return wrong
+
+
+def _belongs_in_tests(path: Path) -> bool:
+    """A test module or conftest.py directly in tests/, or anything in tests/helpers/."""
+    if TESTS / "helpers" in path.parents:
+        return True
+    return path.parent == TESTS and (path.name.startswith("test_") or path.name == "conftest.py")
+
+
+def test_every_file_in_tests_is_a_test_module_conftest_or_a_helper():
+    stray = [str(path.relative_to(REPO)) for path in TEST_TREE.values() if not _belongs_in_tests(path)]
+    assert not stray, f"helpers belong in tests/helpers/: {stray}"
+
+
+def test_no_test_module_imports_another_and_helpers_come_from_tests_helpers():
+    wrong = {
+        name: wrong_test_imports(path.read_text(encoding="utf-8"), name, is_package=path.name == "__init__.py")
+        for name, path in TEST_TREE.items()
+    }
+    assert not {name: found for name, found in wrong.items() if found}, (
+        "tests/ modules import only helpers, as tests.helpers...; never a test module or conftest"
+    )
+
+
+def test_the_test_import_check_sees_every_spelling():
+    here = "tests.test_probe"
+    for source in (
+        "from tests.test_supervisor import launch\n",
+        "from tests import test_stale\n",
+        "import tests.conftest\n",
+        "from test_supervisor import launch\n",  # tests/ itself is on sys.path under pytest
+        "import conftest\n",
+        "from helpers.system import PROMPT\n",  # a second copy of the helper module
+        "def later():\n    from tests.test_restarts import SLOT\n",
+    ):
+        assert wrong_test_imports(source, here), source
+    for source in (
+        "from tests.helpers.system import PROMPT\n",
+        "from tests.helpers import oracle\n",
+        "import tests.helpers.models\n",
+        "from shared.store import ExpertStore\n",
+    ):
+        assert not wrong_test_imports(source, here), source
+    assert not wrong_test_imports("from .system import PROMPT\n", "tests.helpers.supervisor")
+    assert wrong_test_imports("from tests.test_supervisor import model\n", "tests.helpers.supervisor")

@@ -28,9 +28,9 @@ from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import Slab
 from shared.store import ExpertStore
-from tests.coordinator_helpers import FootprintProbe, slab_resident, start
-from tests.system_helpers import PROMPT, run_job
-from tests.tiny_models import write_tiny_model
+from tests.helpers.footprint import FootprintProbe, slab_resident
+from tests.helpers.models import write_tiny_model
+from tests.helpers.system import PROMPT, run_job, start_test_system
 
 log = logging.getLogger(__name__)
 SLOT = 64 * 1024
@@ -173,7 +173,7 @@ def calibration(model):
     budget = _budget(store, per_layer=2)
     experts = store.slot_bytes * store.experts_per_layer * len(store.sparse_layers)
     assert experts >= 4 * budget
-    with start(model, memory_budget=budget, kv_reserve_bytes=KV_RESERVE, config=STRICT) as system:
+    with start_test_system(model, memory_budget=budget, kv_reserve_bytes=KV_RESERVE, run_config=STRICT) as system:
         with FootprintProbe(system, dense_bytes=store.dense_bytes) as probe:
             done = run_job(system, max_tokens=32, return_logprobs=False).done
         slab = slab_resident(system)
@@ -207,11 +207,11 @@ def test_pressure_above_the_budget_is_corrected_by_evicting(model, calibration, 
     full = store.dense_bytes + growth + (store.top_k + len(store.sparse_layers) * per_layer) * store.slot_bytes
     evictable = len(store.sparse_layers) * (per_layer - 1) * store.slot_bytes
     offset = max(0, budget - full) + evictable // 2  # half of what can be evicted must go
-    with start(
+    with start_test_system(
         model,
         memory_budget=budget,
         kv_reserve_bytes=KV_RESERVE,
-        config=dict(STRICT, test_footprint_offset_bytes=offset),
+        run_config=dict(STRICT, test_footprint_offset_bytes=offset),
     ) as system:
         result = run_job(system, max_tokens=32, return_logprobs=False)
         with Client(system.endpoint, timeout=30) as client:
@@ -235,11 +235,11 @@ def test_pressure_that_cannot_be_corrected_fails_the_job(model, calibration):
     store = calibration["store"]
     budget = _budget(store, per_layer=2)
     with (
-        start(
+        start_test_system(
             model,
             memory_budget=budget,
             kv_reserve_bytes=KV_RESERVE,
-            config=dict(STRICT, test_footprint_offset_bytes=budget),
+            run_config=dict(STRICT, test_footprint_offset_bytes=budget),
         ) as system,
         Client(system.endpoint, timeout=30) as client,
     ):

@@ -35,8 +35,7 @@ from shared.job_messages import TokenEvent
 from shared.segments import ExpertIOSegment
 from shared.slab import Slab
 from shared.store import ExpertStore
-from tests.system_helpers import PROMPT, wait_for
-from tests.test_supervisor import (
+from tests.helpers.supervisor import (
     GENERATED,
     assert_all_gone,
     check_tokens,
@@ -44,17 +43,11 @@ from tests.test_supervisor import (
     model_args,
     oracle_tokens,
     run_tokens,
-    stop_leftovers,
     tiny_model,
 )
+from tests.helpers.system import PROMPT, wait_for
 
 SLOT = 16384
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_supervisors():
-    yield
-    stop_leftovers()
 
 
 @pytest.fixture(scope="module")

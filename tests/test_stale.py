@@ -34,14 +34,8 @@ from supervisor.rundir import (
     read_run_record,
     write_run_record,
 )
-from tests.system_helpers import tight_budget, wait_for
-from tests.test_supervisor import launch, model_args, stop_leftovers, tiny_model
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_supervisors():
-    yield
-    stop_leftovers()
+from tests.helpers.supervisor import launch, model_args, tiny_model
+from tests.helpers.system import tight_budget, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from shared.checkpoint import ExpertTensorSpec
 from shared.safetensors_index import StoreError, mlx_dtype, numpy_dtype
 from shared.store import SLOT_ALIGNMENT, ExpertStore, SlotTensor, _align_up, _plan_expert, slot_view
-from tests.tiny_models import write_tiny_model
+from tests.helpers.models import write_tiny_model
 
 # (family, quantized, layout): every combination mlx-lm itself can load.
 CASES = [

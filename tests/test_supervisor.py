@@ -7,22 +7,17 @@ refusal: a bad flag, a model directory that is not a model, a budget too
 small, a child that fails at start. `TMPDIR` points at a private directory,
 so default run directories and stale-run cleanup stay inside the test.
 
-The helpers here (`launch`, `Launched`, ...) are shared with
-test_restarts.py and test_stale.py.
+The launch helpers (`launch`, `Launched`, ...) live in tests/helpers/supervisor.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -34,202 +29,18 @@ from shared.config import check_jobs_endpoint
 from shared.job_messages import TokenEvent
 from shared.store import ExpertStore
 from supervisor.budget import parse_size
-from supervisor.rundir import clean_stale_runs
-from tests.system_helpers import PROMPT, TEST_KV_RESERVE, io_mode_for, oracle, tight_budget, wait_for
-from tests.tiny_models import EOS_TOKEN_ID, write_tiny_model
-
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH = REPO / "scripts" / "launch.py"
-GENERATED = 24
-READY_TIMEOUT = 90.0
-
-
-@dataclass
-class Launched:
-    """A running supervisor: its Popen, its ready line, its stderr log file."""
-
-    process: subprocess.Popen
-    ready: dict | None
-    log: Path
-
-    @property
-    def endpoint(self) -> str:
-        return self.ready["endpoint"]
-
-    @property
-    def pids(self) -> dict[str, int]:
-        return self.ready["pids"]
-
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def signal(self, signum: int, *, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-        return self.wait(timeout=timeout)
-
-    def wait(self, *, timeout: float = 60.0) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            self.reap()
-            raise AssertionError(f"the supervisor did not exit within {timeout} s:\n{self.stderr()[-4000:]}") from None
-
-    def reap(self) -> None:
-        """After a SIGKILL of the supervisor: let the children exit, remove what the run left."""
-        wait_for(lambda: not self.children() and all(not psutil.pid_exists(p) for p in self._known), timeout=20)
-        clean_stale_runs(self.log.parent / "tmp")
-
-    @property
-    def _known(self) -> list[int]:
-        return [p for k, p in (self.ready or {}).get("pids", {}).items() if k != "supervisor"]
-
-    def children(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
-    def child_pid(self, needle: str) -> int:
-        """The pid of the supervisor's child whose command line contains `needle`."""
-        for child in self.children():
-            try:
-                if needle in " ".join(child.cmdline()):
-                    return child.pid
-            except psutil.NoSuchProcess:
-                continue
-        raise AssertionError(f"no child matching {needle!r}")
-
-
-_STARTED: list[Launched] = []
-
-
-def stop_leftovers() -> None:
-    """After a test (a failed one above all): stop any supervisor it left running, so the leak
-    check reports the failure, not its consequences."""
-    while _STARTED:
-        launched = _STARTED.pop()
-        if launched.process.poll() is None:
-            launched.process.send_signal(signal.SIGTERM)
-            try:
-                launched.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                launched.process.kill()
-                launched.process.wait()
-                launched.reap()
-        if launched.process.stdout is not None:
-            launched.process.stdout.close()
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_supervisors():
-    yield
-    stop_leftovers()
-
-
-def supervisor_env(tmp_path: Path) -> dict[str, str]:
-    """The test's environment (the shm tag included) with a private TMPDIR."""
-    private = tmp_path / "tmp"
-    private.mkdir(exist_ok=True)
-    return dict(os.environ, TMPDIR=str(private), PYTHONUNBUFFERED="1")
-
-
-def model_args(model: Path, *, budget: int | None = None) -> list[str]:
-    """The tight plan: top_k working slots, one resident slot per sparse layer, 1 MiB KV reserve."""
-    store = ExpertStore.open(model)
-    return [
-        "--model",
-        str(model),
-        "--memory-budget",
-        str(budget if budget is not None else tight_budget(store)),
-        "--kv-reserve",
-        str(TEST_KV_RESERVE),
-        "--working-slots",
-        str(store.top_k),
-        "--slots-per-layer",
-        "1",
-        "--io-mode",
-        io_mode_for(model),
-    ]
-
-
-def launch(
-    tmp_path: Path,
-    args: list[str],
-    *,
-    expect_ready: bool = True,
-    name: str = "supervisor",
-    timeout: float = READY_TIMEOUT,
-) -> Launched:
-    """Start `scripts/launch.py ARGS`; wait for its ready line (or, if not expected, for its exit)."""
-    log = tmp_path / f"{name}.log"
-    with open(log, "wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, str(LAUNCH), *args],
-            cwd=REPO,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            env=supervisor_env(tmp_path),
-        )
-    launched = Launched(process, None, log)
-    _STARTED.append(launched)
-    if not expect_ready:
-        launched.wait(timeout=timeout)
-        assert process.stdout.read() == b"", "a failed launch must print nothing on stdout"
-        process.stdout.close()
-        return launched
-    deadline = time.monotonic() + timeout
-    line = b""
-    while not line.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or (process.poll() is not None and not select.select([process.stdout], [], [], 0)[0]):
-            process.kill()
-            process.wait()
-            launched.reap()
-            raise AssertionError(f"no ready line (exit {process.returncode}):\n{launched.stderr()[-4000:]}")
-        if select.select([process.stdout], [], [], min(left, 0.5))[0]:
-            chunk = os.read(process.stdout.fileno(), 65536)
-            if not chunk:
-                continue
-            line += chunk
-    launched.ready = json.loads(line)
-    return launched
-
-
-def run_dirs(tmp_path: Path) -> list[Path]:
-    """The moeslab run directories under the test's private TMPDIR (mlx keeps a cache there too)."""
-    return sorted((tmp_path / "tmp").glob("moeslab-*"))
-
-
-def assert_all_gone(launched: Launched, pids: list[int] | None = None) -> None:
-    """No child process, the ready line's slab, socket files or run directory is left."""
-    for pid in pids if pids is not None else launched.pids.values():
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
-    assert not os.path.exists(f"/dev/shm{launched.ready['slab']}")
-    assert not os.path.exists(launched.ready["run_dir"])
-
-
-def run_tokens(endpoint: str, max_tokens: int = GENERATED, *, timeout: float = 60.0) -> list[int]:
-    with Client(endpoint, timeout=timeout) as client:
-        return list(client.generate(prompt_tokens=list(PROMPT), max_tokens=max_tokens).result().tokens)
-
-
-def check_tokens(got: list[int], want: list[int]) -> None:
-    """Equal to mlx-lm's greedy tokens, up to an EOS stop (EOS is not emitted)."""
-    assert got == want[: len(got)], (got, want)
-    assert len(got) == len(want) or want[len(got)] == EOS_TOKEN_ID, (got, want)
-
-
-def tiny_model(factory) -> Path:
-    """The model every supervisor test runs: qwen3_moe, full precision (the quickest to start)."""
-    return write_tiny_model(factory.mktemp("qwen3_moe"), family="qwen3_moe", quantized=False)
-
-
-def oracle_tokens(model: Path) -> list[int]:
-    return oracle(model, PROMPT, GENERATED).tokens
+from tests.helpers.supervisor import (
+    assert_all_gone,
+    check_tokens,
+    launch,
+    model_args,
+    oracle_tokens,
+    run_dirs,
+    run_tokens,
+    spawn_supervisor,
+    tiny_model,
+)
+from tests.helpers.system import PROMPT, tight_budget, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -370,18 +181,8 @@ def test_a_child_that_fails_at_start_fails_the_launch(model, tmp_path):
 
 
 def test_sigterm_while_starting_stops_cleanly(model, tmp_path):
-    log = tmp_path / "supervisor.log"
-    with open(log, "wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, str(LAUNCH), *model_args(model)],
-            cwd=REPO,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            env=supervisor_env(tmp_path),
-        )
-    launched = Launched(process, None, log)
-    _STARTED.append(launched)
+    launched = spawn_supervisor(tmp_path, model_args(model))
+    process = launched.process
     assert wait_for(lambda: "coordinator: serving" in launched.stderr() or process.poll() is not None, timeout=60)
     process.send_signal(signal.SIGTERM)
     assert launched.wait() == 0, launched.stderr()[-4000:]

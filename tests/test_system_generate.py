@@ -13,6 +13,7 @@ GPU worker that dies mid-job, and another process writing leased slots.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import zmq
 
 from shared.client import Client
 from shared.client import JobError as ClientJobError
+from shared.demo_model import EOS_TOKEN_ID
 from shared.gpu_messages import GpuHello, RouteMatrix, Routes
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, JobFailed, TokenEvent
 from shared.protocol import ErrorReply, decode, encode
@@ -40,18 +42,17 @@ from shared.store import ExpertStore
 from supervisor.budget import BudgetError
 from supervisor.readiness import LaunchError
 from supervisor.system import start_system
-from tests.system_helpers import (
+from tests.helpers.models import FAMILIES, write_tiny_model
+from tests.helpers.oracle import oracle, relative_difference
+from tests.helpers.system import (
     PROMPT,
     TEST_KV_RESERVE,
     hook_counts,
-    io_mode_for,
-    oracle,
-    relative_difference,
     run_job,
+    start_test_system,
     tight_budget,
     wait_for,
 )
-from tests.tiny_models import EOS_TOKEN_ID, FAMILIES, write_tiny_model
 
 GENERATED = 32
 RTOL = 1e-4
@@ -72,17 +73,8 @@ def models(tmp_path_factory):
     return get
 
 
-def _start(path, **options):
-    store = ExpertStore.open(path)
-    defaults = dict(
-        model_dir=path,
-        memory_budget=tight_budget(store),
-        working_slots=store.top_k,
-        kv_reserve_bytes=TEST_KV_RESERVE,
-        io_mode=io_mode_for(path),
-        test_hooks=HOOKS,
-    )
-    return start_system(**{**defaults, **options})
+# This module's system: the tight budget (every token misses and evicts), test hooks on.
+_start = functools.partial(start_test_system, budget="tight", test_hooks=HOOKS)
 
 
 def _check_against(result, want) -> float:

@@ -9,13 +9,8 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from tests.tiny_models import (
-    EOS_TOKEN_ID,
-    FAMILIES,
-    PER_EXPERT_FAMILIES,
-    VOCAB_SIZE,
-    write_tiny_model,
-)
+from shared.demo_model import EOS_TOKEN_ID, VOCAB_SIZE
+from tests.helpers.models import FAMILIES, PER_EXPERT_FAMILIES, write_tiny_model
 
 
 def _tokens(path, prompt: str = "hello, world", count: int = 12) -> list[int]:

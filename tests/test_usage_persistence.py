@@ -28,9 +28,8 @@ from shared.job_messages import TokenEvent
 from shared.pins import plan_expert_auto_pins
 from shared.store import ExpertStore
 from shared.usage_profile import default_usage_file, model_fingerprint
-from tests.coordinator_helpers import start
-from tests.system_helpers import PROMPT, TEST_KV_RESERVE, run_job, wait_for
-from tests.tiny_models import write_tiny_model
+from tests.helpers.models import write_tiny_model
+from tests.helpers.system import PROMPT, TEST_KV_RESERVE, run_job, start_test_system, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,15 @@ def _auto(store: ExpertStore, usage) -> tuple[tuple[int, int], ...]:
         )
 
 
-def _run(model, usage, *, pinned=(), config=None):
+def _run(model, usage, *, pinned=(), run_config=None):
     store = ExpertStore.open(model)
-    return start(
-        model, memory_budget=_budget(store), working_slots=WORKING, pinned=pinned, usage_file=usage, config=config
+    return start_test_system(
+        model,
+        memory_budget=_budget(store),
+        working_slots=WORKING,
+        pinned=pinned,
+        usage_file=usage,
+        run_config=run_config,
     )
 
 
@@ -136,7 +140,10 @@ def test_live_repin_swaps_cold_pins_for_hot_experts_between_jobs(model, history,
 
 def test_the_ledger_is_flushed_periodically_while_a_job_runs(model, tmp_path):
     usage = tmp_path / "usage"
-    with _run(model, usage, config=dict(usage_flush_s=0.2)) as system, Client(system.endpoint, timeout=60) as client:
+    with (
+        _run(model, usage, run_config=dict(usage_flush_s=0.2)) as system,
+        Client(system.endpoint, timeout=60) as client,
+    ):
         stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
         seen = []
 
@@ -156,7 +163,7 @@ def test_the_ledger_is_flushed_periodically_while_a_job_runs(model, tmp_path):
 
 def test_the_ledger_is_flushed_at_shutdown(model, tmp_path):
     usage = tmp_path / "usage"
-    with _run(model, usage, config=dict(usage_flush_s=3600.0)) as system:
+    with _run(model, usage, run_config=dict(usage_flush_s=3600.0)) as system:
         run_job(system, max_tokens=4, return_logprobs=False)
         assert wait_for(usage.exists)  # flushed right after the job's answer
         after_job = sum(_counts(usage).values())

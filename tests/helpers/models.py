@@ -6,9 +6,17 @@ Every model is built with mlx-lm's own classes, quantized with
 oracle for ours. `layout="per_expert"` rewrites the routed experts under their
 one-tensor-per-expert Hugging Face names (what `sanitize` stacks on load).
 
-The byte-level tokenizer and the seeded model construction (including random
-routers for families whose router mlx-lm initialises to zeros) are shared with
-the demo model and live in `shared/demo_model.py`.
+The byte-level tokenizer (`EOS_TOKEN_ID`, `VOCAB_SIZE`, `write_tokenizer`) and
+the seeded model construction (including random routers for families whose
+router mlx-lm initialises to zeros) are shared with the demo model and live in
+`shared/demo_model.py`; tests import those names from there.
+
+- `FAMILIES`, `PER_EXPERT_FAMILIES`: the families built here, and those with a
+  one-tensor-per-expert layout.
+- `tiny_config(family, **overrides)`: a tiny model's config.json.
+- `build_tiny_model(family, ...)`: the model in memory, cast and quantized.
+- `write_tiny_model(path, family=..., ...)`: config, weights and tokenizer on disk.
+- `unstack_experts(weights, family)`: stacked routed experts renamed one tensor per expert.
 """
 
 from __future__ import annotations
@@ -24,13 +32,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from shared.demo_model import (  # noqa: F401  (re-exported: tests import them from here)
-    EOS_TOKEN_ID,
-    SPECIAL_TOKENS,
-    VOCAB_SIZE,
-    build_model,
-    write_tokenizer,
-)
+from shared.demo_model import EOS_TOKEN_ID, VOCAB_SIZE, build_model, write_tokenizer
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 PER_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")

@@ -1,12 +1,18 @@
-"""Helpers for tests that run the whole system (coordinator, I/O workers, GPU worker).
+"""The whole system (coordinator, I/O workers, GPU worker) started in process, and its jobs.
 
+Every test that runs a system starts it here, with the tests' defaults, so the budgets and
+modes they reason about are the same everywhere.
+
+- `PROMPT`, `TEST_KV_RESERVE`: the jobs' prompt (byte tokens) and the KV reserve of every plan.
 - `io_mode_for(path)`: "buffered" where the files live on tmpfs (no O_DIRECT), else "direct".
 - `tight_budget(store, kv_reserve)`: the smallest budget the plan accepts with a working bank
   of top_k and one resident slot per sparse layer, so every token misses and evicts.
-- `oracle(model_dir, prompt, n)`: mlx-lm's greedy `generate_step` on the fully loaded model.
+- `all_resident_budget(store, kv_reserve)`: a working bank of top_k and every expert resident.
+- `start_test_system(model_dir, *, budget="all_resident", **options)`: `supervisor.system.start_system`
+  with those defaults; any option (`run_config` for the coordinator's knobs) overrides them.
 - `run_job(system, ...)`: one job through the real client; its token events and `Done`.
-- `relative_difference(a, b)`: max |a - b| / max |a| (the streamed-model tests' measure).
 - `hook_counts(records)`: the coordinator's "test hooks after job" log line, parsed.
+- `wait_for(predicate)`: poll until something is true, or time runs out.
 """
 
 from __future__ import annotations
@@ -17,14 +23,13 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from shared.client import Client, token_logprobs
 from shared.job_messages import Done, TokenEvent
 from shared.store import ExpertStore
-from supervisor.system import RunningSystem
+from supervisor.system import RunningSystem, start_system
 
 PROMPT = tuple(b"The quick brown fox jumps over the lazy dog, again and again.")
 TEST_KV_RESERVE = 1 << 20
@@ -58,24 +63,28 @@ def tight_budget(store: ExpertStore, kv_reserve: int = TEST_KV_RESERVE) -> int:
     return store.dense_bytes + kv_reserve + (store.top_k + len(store.sparse_layers)) * store.slot_bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Oracle:
-    tokens: list[int]
-    logprobs: list[np.ndarray]
+def all_resident_budget(store: ExpertStore, kv_reserve: int = TEST_KV_RESERVE) -> int:
+    """dense + KV reserve + (top_k working + every expert of every sparse layer) slots."""
+    slots = store.top_k + len(store.sparse_layers) * store.experts_per_layer
+    return store.dense_bytes + kv_reserve + slots * store.slot_bytes
 
 
-def oracle(model_dir: str | os.PathLike[str], prompt: Sequence[int], max_tokens: int) -> Oracle:
-    """Greedy tokens and per-step log-probabilities of mlx-lm on the fully loaded model."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load_model
+BUDGETS = {"all_resident": all_resident_budget, "tight": tight_budget}
 
-    model, _ = load_model(Path(model_dir))
-    tokens, logprobs = [], []
-    for token, lp in generate_step(mx.array(list(prompt)), model, max_tokens=max_tokens):
-        tokens.append(int(token))
-        logprobs.append(np.array(lp.astype(mx.float32)))
-    return Oracle(tokens, logprobs)
+
+def start_test_system(model_dir: str | os.PathLike[str], *, budget: str = "all_resident", **options) -> RunningSystem:
+    """A started system over the model at `model_dir`: a working bank of top_k, the 1 MiB test KV
+    reserve, the I/O mode its filesystem allows and the `budget` named in `BUDGETS`; `options`
+    (any `start_system` argument: `memory_budget`, `test_hooks`, `run_config`, ...) override them."""
+    store = ExpertStore.open(model_dir)
+    defaults = dict(
+        model_dir=model_dir,
+        memory_budget=BUDGETS[budget](store),
+        working_slots=store.top_k,
+        kv_reserve_bytes=TEST_KV_RESERVE,
+        io_mode=io_mode_for(model_dir),
+    )
+    return start_system(**{**defaults, **options})
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +123,6 @@ def run_job(
     return JobResult(events, done)
 
 
-def relative_difference(want: np.ndarray, got: np.ndarray) -> float:
-    want, got = np.asarray(want, dtype=np.float64), np.asarray(got, dtype=np.float64)
-    return float(np.abs(want - got).max() / max(np.abs(want).max(), 1e-30))
-
-
 _HOOKS = re.compile(r"test hooks after job (\d+): (\d+) scribbled, (\d+) restored, (\d+) verified, (\d+) violations")
 
 
@@ -144,15 +148,15 @@ def wait_for(predicate, *, timeout: float = 5.0, interval: float = 0.05):
 
 
 __all__ = [
+    "BUDGETS",
     "PROMPT",
     "TEST_KV_RESERVE",
     "JobResult",
-    "Oracle",
+    "all_resident_budget",
     "hook_counts",
     "io_mode_for",
-    "oracle",
-    "relative_difference",
     "run_job",
+    "start_test_system",
     "tight_budget",
     "wait_for",
 ]
