@@ -11,7 +11,7 @@ the ~25 MiB dense part plus the slab's mandatory slots (a top-k working bank
 and one slot per sparse layer, ~18 MiB) leave most of the budget for residency.
 
 The byte-level tokenizer (one token per byte, then a few special tokens) is
-built offline with `tokenizers`; `tests/tiny_models.py` shares it and
+built offline with `tokenizers`; `tests/helpers/models.py` shares it and
 `build_model` from here.
 
 `ensure_demo_model` caches: a directory holding a `moeslab-demo.json` whose

@@ -13,6 +13,7 @@ from shared.config import check_compute_lanes, check_jobs_endpoint
 from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, parse_size
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DESCRIPTION = "The supervisor: `moeslab-launch` (or `python scripts/launch.py`) starts and watches a whole system."
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ def _seconds(text: str) -> float:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
-    parser = argparse.ArgumentParser(prog="moeslab-launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moeslab-launch", description=DESCRIPTION)
     add = parser.add_argument
     add("--model", required=True, metavar="DIR", help="the mlx-lm model directory")
     add(
