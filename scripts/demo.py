@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # run as a script from a clone without the editab
     sys.path.insert(0, str(ROOT))
 
 from shared.cli_send import format_stats  # noqa: E402
-from shared.client import Client, JobError  # noqa: E402
+from shared.client import Client, JobFailedError  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"(random weights: the text is noise; token ids {list(done.tokens[:8])}...)")
         print(format_stats(done))
-    except (JobError, RuntimeError, TimeoutError) as error:
+    except (JobFailedError, RuntimeError, TimeoutError) as error:
         print(f"demo: {error}", file=sys.stderr)
         return 1
     finally:

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from shared.client import DEFAULT_TIMEOUT, Client, ClientError, JobError, JobStream, ServerBusy
+from shared.client import DEFAULT_TIMEOUT, Client, ClientError, JobFailedError, JobStream, ServerBusy
 from shared.job_messages import Done, JobStats, TokenEvent
 
 __all__ = ["format_stats", "main", "parse_token_list"]
@@ -179,7 +179,7 @@ def _as_json(done: Done) -> str:
 def _describe(error: Exception) -> str:
     if isinstance(error, ServerBusy):
         return f"coordinator busy: {error.queued} jobs queued; try again later"
-    if isinstance(error, JobError):
+    if isinstance(error, JobFailedError):
         return f"job failed ({error.code}): {error.message}"
     return str(error)
 

@@ -8,7 +8,7 @@
                 print(event.stats.decode_tok_s)
 
 Events are the contract's frozen dataclasses: one `TokenEvent` per token and
-finally the `Done`. A failed job raises `JobError` (its `code` is the
+finally the `Done`. A failed job raises `JobFailedError` (its `code` is the
 coordinator's, e.g. "cancelled", "worker_failed"); a full queue raises
 `ServerBusy`; no reply within `timeout` seconds (per reply, not per job)
 raises `ClientTimeout`, a `TimeoutError` naming the endpoint.
@@ -61,7 +61,7 @@ __all__ = [
     "Client",
     "ClientError",
     "ClientTimeout",
-    "JobError",
+    "JobFailedError",
     "JobStream",
     "ReplyError",
     "ServerBusy",
@@ -118,7 +118,7 @@ class ClientError(Exception):
     """Base of everything this client raises about the coordinator's answers."""
 
 
-class JobError(ClientError):
+class JobFailedError(ClientError):
     """The coordinator answered `error` for a request."""
 
     def __init__(self, code: str, message: str, *, job_id: str = "") -> None:
@@ -128,7 +128,7 @@ class JobError(ClientError):
         self.job_id = job_id
 
 
-class ServerBusy(JobError):
+class ServerBusy(JobFailedError):
     """The coordinator's queue was full; nothing was queued. Retry later."""
 
     def __init__(self, *, job_id: str, queued: int) -> None:
@@ -147,7 +147,7 @@ class ClientTimeout(ClientError, TimeoutError):
 class JobStream:
     """The events of one generation job; iterate it, or call `result()`.
 
-    Yields each `TokenEvent`, then the `Done`, then stops; raises `JobError` /
+    Yields each `TokenEvent`, then the `Done`, then stops; raises `JobFailedError` /
     `ServerBusy` when the job fails or is refused. `ClientTimeout` leaves the
     stream usable: read on to keep waiting, or close it. `close()` (also on
     leaving a `with` block) cancels a job that has not finished and discards
@@ -176,7 +176,7 @@ class JobStream:
             self.done = reply
             return reply
         if isinstance(reply, JobFailed):
-            raise JobError(reply.code, reply.message, job_id=self.id)
+            raise JobFailedError(reply.code, reply.message, job_id=self.id)
         if isinstance(reply, Busy):
             raise ServerBusy(job_id=self.id, queued=reply.queued)
         raise ReplyError(f"{self._client.endpoint} answered job {self.id} with {type(reply).__name__}")
@@ -275,8 +275,8 @@ class Client:
         """Cancel job `id`.
 
         For a job streaming on this client, returns at once: its stream then
-        ends with JobError(code="cancelled"), or with its Done if it finished
-        first. For any other id, waits for the answer and raises JobError
+        ends with JobFailedError(code="cancelled"), or with its Done if it finished
+        first. For any other id, waits for the answer and raises JobFailedError
         (e.g. code "unknown_job") unless the coordinator confirms "cancelled".
         """
         job_id = _check_id(id)
@@ -296,7 +296,7 @@ class Client:
         if isinstance(reply, JobFailed) and reply.code == CANCELLED:
             return
         if isinstance(reply, JobFailed):
-            raise JobError(reply.code, reply.message, job_id=job_id)
+            raise JobFailedError(reply.code, reply.message, job_id=job_id)
         raise ReplyError(f"{self.endpoint} answered cancel {job_id} with {type(reply).__name__}")
 
     def stats(self, *, timeout: float | None = None) -> StatsReply:
@@ -317,7 +317,7 @@ class Client:
         if isinstance(reply, expected):
             return reply
         if isinstance(reply, JobFailed):
-            raise JobError(reply.code, reply.message, job_id=request_id)
+            raise JobFailedError(reply.code, reply.message, job_id=request_id)
         raise ReplyError(f"{self.endpoint} answered {request.OP} with {type(reply).__name__}")
 
     # ------------------------------------------------------------- plumbing

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from shared import cli_send
-from shared.client import Client, ClientError, ClientTimeout, JobError, ReplyError, ServerBusy, token_logprobs
+from shared.client import Client, ClientError, ClientTimeout, JobFailedError, ReplyError, ServerBusy, token_logprobs
 from shared.job_messages import (
     CANCELLED,
     COORDINATOR_ACCEPTS_FROM_CLIENTS,
@@ -165,7 +165,7 @@ def test_job_failed_raises_job_error_with_code(fake):
     with Client(fake(handler).endpoint, timeout=5) as client:
         stream = client.generate("x")
         assert next(stream).token == 1
-        with pytest.raises(JobError, match="GPU worker exited") as caught:
+        with pytest.raises(JobFailedError, match="GPU worker exited") as caught:
             next(stream)
     assert caught.value.code == WORKER_FAILED and caught.value.job_id == stream.id
     assert list(stream) == []  # a finished stream stays finished
@@ -178,7 +178,7 @@ def test_busy_raises_server_busy(fake):
     ):
         list(client.generate("x"))
     assert caught.value.queued == 8 and caught.value.code == "busy"
-    assert isinstance(caught.value, JobError)
+    assert isinstance(caught.value, JobFailedError)
 
 
 def test_stats_and_health(fake):
@@ -197,7 +197,7 @@ def test_stats_and_health(fake):
 
 def test_error_reply_to_stats_raises(fake):
     server = fake(lambda r: [JobFailed(code="internal", message="boom", id=r.id)])
-    with Client(server.endpoint, timeout=5) as client, pytest.raises(JobError, match="boom"):
+    with Client(server.endpoint, timeout=5) as client, pytest.raises(JobFailedError, match="boom"):
         client.stats()
 
 
@@ -273,7 +273,7 @@ def test_cancel_ends_a_streaming_job(fake):
         stream = client.generate("x")
         next(stream)
         client.cancel(stream.id)
-        with pytest.raises(JobError) as caught:
+        with pytest.raises(JobFailedError) as caught:
             next(stream)
     assert caught.value.code == CANCELLED
 
@@ -283,7 +283,7 @@ def test_cancel_of_unknown_job_raises(fake):
         if isinstance(request, CancelJob):
             yield JobFailed(code=UNKNOWN_JOB, message=f"no job {request.id}", id=request.id)
 
-    with Client(fake(handler).endpoint, timeout=5) as client, pytest.raises(JobError) as caught:
+    with Client(fake(handler).endpoint, timeout=5) as client, pytest.raises(JobFailedError) as caught:
         client.cancel("nope")
     assert caught.value.code == UNKNOWN_JOB
 
@@ -299,7 +299,7 @@ def test_cancel_after_the_job_finished_gets_its_answer(fake):
     with Client(fake(handler).endpoint, timeout=5) as client:
         stream = client.generate("x")
         stream.result()
-        with pytest.raises(JobError) as caught:
+        with pytest.raises(JobFailedError) as caught:
             client.cancel(stream.id)
     assert caught.value.code == UNKNOWN_JOB
 
@@ -345,7 +345,7 @@ def test_unreadable_or_id_less_replies(fake):
     with Client(fake(handler).endpoint, timeout=5) as client:
         with pytest.raises(ReplyError, match="cannot read"):
             client.stats()
-        with pytest.raises(JobError, match="missing field"):
+        with pytest.raises(JobFailedError, match="missing field"):
             client.health()
 
 

@@ -14,7 +14,7 @@ import time
 import msgpack
 import pytest
 
-from shared.client import Client, JobError, ServerBusy
+from shared.client import Client, JobFailedError, ServerBusy
 from shared.demo_model import VOCAB_SIZE
 from shared.job_messages import (
     MAX_REQUEST_BYTES,
@@ -124,14 +124,14 @@ def test_cancel_a_queued_and_a_running_job(system):
         queued = client.generate(prompt_tokens=list(PROMPT), max_tokens=4)
         assert wait_for(lambda: client.stats().queued == 1)
         client.cancel(queued.id)
-        with pytest.raises(JobError) as caught:
+        with pytest.raises(JobFailedError) as caught:
             queued.result()
         assert caught.value.code == "cancelled" and "before it started" in caught.value.message
         client.cancel(running.id)
-        with pytest.raises(JobError) as caught:
+        with pytest.raises(JobFailedError) as caught:
             running.result()
         assert caught.value.code == "cancelled" and "after" in caught.value.message
-        with pytest.raises(JobError) as caught:
+        with pytest.raises(JobFailedError) as caught:
             client.cancel("no-such-job")
         assert caught.value.code == "unknown_job"
         stats = client.stats()
@@ -149,7 +149,7 @@ def test_a_full_queue_answers_busy(system):
         assert caught.value.queued == QUEUE_LIMIT
         assert client.stats().queued == QUEUE_LIMIT  # the busy one was not queued
         client.cancel(running.id)
-        with pytest.raises(JobError):
+        with pytest.raises(JobFailedError):
             running.result()
         for stream in waiting:  # the queued ones are served once the running job is gone
             assert stream.result().finish_reason in ("length", "stop")

@@ -23,7 +23,7 @@ from coordinator.memory_backend import InMemoryBackend
 from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.residency import ExpertResidencyManager
 from coordinator.safepoint import SafePoints
-from shared.client import Client, JobError
+from shared.client import Client, JobFailedError
 from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import Slab
@@ -244,7 +244,7 @@ def test_pressure_that_cannot_be_corrected_fails_the_job(model, calibration):
         Client(system.endpoint, timeout=30) as client,
     ):
         for _ in range(2):  # every job fails the same way; the system keeps serving
-            with pytest.raises(JobError) as caught:
+            with pytest.raises(JobFailedError) as caught:
                 client.generate(prompt_tokens=list(PROMPT), max_tokens=10_000).result()
             assert caught.value.code == "memory_pressure"
             assert f"exceeds the memory budget {budget} bytes" in caught.value.message

@@ -28,8 +28,7 @@ from coordinator.io_pool import IOWorkerPool
 from coordinator.io_results import ExpertLoadError
 from coordinator.usage import ExpertUsageLedger
 from shared.children import spawn_child, stop_children
-from shared.client import Client
-from shared.client import JobError as ClientJobError
+from shared.client import Client, JobFailedError
 from shared.commands import IO_WORKER_MODULE, IOWorkerArgs, child_command, io_worker_argv
 from shared.job_messages import TokenEvent
 from shared.segments import ExpertIOSegment
@@ -216,7 +215,7 @@ def test_a_gpu_worker_killed_mid_job_fails_it_clearly_and_the_next_job_succeeds(
         stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
         assert isinstance(next(stream), TokenEvent)
         os.kill(launched.pids["gpu_worker"], signal.SIGKILL)
-        with pytest.raises(ClientJobError) as caught:
+        with pytest.raises(JobFailedError) as caught:
             for _ in stream:
                 pass
         assert caught.value.code == "worker_failed" and "GPU worker was lost" in str(caught.value)

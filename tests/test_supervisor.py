@@ -23,8 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shared.client import Client
-from shared.client import JobError as ClientJobError
+from shared.client import Client, JobFailedError
 from shared.config import check_jobs_endpoint
 from shared.job_messages import TokenEvent
 from shared.store import ExpertStore
@@ -104,7 +103,7 @@ def test_ready_line_a_token_exact_job_and_sigterm_mid_job(model, want, tmp_path)
         stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
         assert isinstance(next(stream), TokenEvent)
         launched.process.send_signal(signal.SIGTERM)
-        with pytest.raises(ClientJobError) as caught:
+        with pytest.raises(JobFailedError) as caught:
             for _ in stream:
                 pass
     assert caught.value.code in ("shutting_down", "worker_stopping"), caught.value

@@ -31,8 +31,7 @@ import psutil
 import pytest
 import zmq
 
-from shared.client import Client
-from shared.client import JobError as ClientJobError
+from shared.client import Client, JobFailedError
 from shared.demo_model import EOS_TOKEN_ID
 from shared.gpu_messages import GpuHello, RouteMatrix, Routes
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, JobFailed, TokenEvent
@@ -372,7 +371,7 @@ def _signal_gpu_worker_mid_job(system, client: Client, signum: int):
     stream = client.generate(prompt_tokens=list(PROMPT), max_tokens=100_000)
     assert isinstance(next(stream), TokenEvent)
     os.kill(system.pids["GPU worker"], signum)
-    with pytest.raises(ClientJobError) as caught:
+    with pytest.raises(JobFailedError) as caught:
         for _ in stream:
             pass
     return caught
@@ -421,7 +420,7 @@ def test_a_write_into_a_leased_slot_fails_the_job(models):
         writer = threading.Thread(target=vandal, daemon=True)
         writer.start()
         try:
-            with pytest.raises(ClientJobError) as caught:
+            with pytest.raises(JobFailedError) as caught:
                 run_job(system, max_tokens=GENERATED, timeout=60)
         finally:
             stop.set()

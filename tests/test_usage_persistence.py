@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import supervisor.budget as budget
-from shared.client import Client, JobError
+from shared.client import Client, JobFailedError
 from shared.job_messages import TokenEvent
 from shared.pins import plan_expert_auto_pins
 from shared.store import ExpertStore
@@ -157,7 +157,7 @@ def test_the_ledger_is_flushed_periodically_while_a_job_runs(model, tmp_path):
         assert wait_for(changed, timeout=20, interval=0.05), seen  # three growing versions, mid-job
         assert isinstance(next(stream), TokenEvent)  # still running: no job end flushed those
         client.cancel(stream.id)
-        with pytest.raises(JobError):
+        with pytest.raises(JobFailedError):
             stream.result()
 
 
@@ -175,7 +175,7 @@ def test_the_ledger_is_flushed_at_shutdown(model, tmp_path):
             coordinator = next(child for child in system.children if child.name == "coordinator")
             os.kill(coordinator.pid, signal.SIGTERM)  # only the coordinator: its job never ends normally
             assert wait_for(lambda: coordinator.exit_code is not None, timeout=20)
-            with pytest.raises(JobError) as caught:
+            with pytest.raises(JobFailedError) as caught:
                 stream.result()
             assert caught.value.code == "shutting_down"
         assert coordinator.exit_code == 0
