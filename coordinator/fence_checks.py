@@ -38,8 +38,8 @@ def _digest(view: memoryview) -> bytes:
     return hashlib.blake2b(view, digest_size=16).digest()
 
 
-class HookedBackend:
-    """Wraps an ExpertResidencyBackend (e.g. IOWorkerBackend) with the test hooks."""
+class FenceCheckedBackend:
+    """Wraps an ExpertResidencyBackend (e.g. IOWorkerBackend) with the fence checks the run asks for."""
 
     def __init__(self, inner: object, *, slab: Slab, scribble: bool = False, verify: bool = False) -> None:
         self._inner = inner
@@ -136,8 +136,8 @@ class HookedBackend:
         logger.error("test hook violation: %s", message)
 
 
-def wrap_backend(backend: object, hooks: Iterable[str], *, slab: Slab) -> object:
-    """`backend` itself when no hook is asked for, else a HookedBackend around it."""
+def with_fence_checks(backend: object, hooks: Iterable[str], *, slab: Slab) -> object:
+    """`backend` itself when no hook is asked for, else a FenceCheckedBackend around it."""
     names = tuple(hooks)
     unknown = [name for name in names if name not in TEST_HOOKS]
     if unknown:
@@ -145,7 +145,7 @@ def wrap_backend(backend: object, hooks: Iterable[str], *, slab: Slab) -> object
     if not names:
         return backend
     logger.warning("test hooks enabled: %s (never use them in a normal run)", ", ".join(names))
-    return HookedBackend(backend, slab=slab, scribble="scribble_fenced" in names, verify="verify_fenced" in names)
+    return FenceCheckedBackend(backend, slab=slab, scribble="scribble_fenced" in names, verify="verify_fenced" in names)
 
 
-__all__ = ["SCRIBBLE", "HookedBackend", "wrap_backend"]
+__all__ = ["SCRIBBLE", "FenceCheckedBackend", "with_fence_checks"]

@@ -29,6 +29,7 @@ from coordinator.residency_types import (
 )
 from shared.checks import require_int
 from shared.plan import ExpertResidencyPlan
+from shared.segments import ExpertIOHintSegment
 
 RouteObserver = Callable[[int, object], None]
 
@@ -164,7 +165,9 @@ class ExpertResidencyManager(ResidencyCore):
                 continue
             try:
                 location = self._locate(layer, expert)
-                segments = location.hint_segments if location.hint_segments is not None else location.segments
+                segments = location.hint_segments
+                if segments is None:  # warm the whole expert: its load segments, as readahead ranges
+                    segments = tuple(ExpertIOHintSegment(x.file, x.offset, x.length) for x in location.segments)
                 if not segments:
                     continue
                 if hint is None:

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.backend import IOWorkerBackend
-from coordinator.fence_checks import HookedBackend, wrap_backend
+from coordinator.fence_checks import FenceCheckedBackend, with_fence_checks
 from coordinator.footprint import FootprintMeter
 from coordinator.jobs import FrontDoorLimits, JobFrontDoor
 from coordinator.leases import LeaseService
@@ -100,7 +100,7 @@ class Coordinator:
         self.config, self.store, self.slab, self.ledger = config, store, slab, ledger
         self.io, self.gpu_sock, self.jobs_sock = io, gpu_sock, jobs_sock
         self.gpu = _GpuSession()
-        self.hooked = wrap_backend(io, config.test_hooks, slab=slab)
+        self.fence_checked = with_fence_checks(io, config.test_hooks, slab=slab)
         self.timer = LoadTimer()
         if config.test_footprint_offset_bytes:
             logger.warning(
@@ -113,7 +113,7 @@ class Coordinator:
             interval_s=config.footprint_interval_ms / 1e3,
             offset=config.test_footprint_offset_bytes,
         )
-        self.backend = MeteredBackend(self.hooked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
+        self.backend = MeteredBackend(self.fence_checked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
         self.manager = ExpertResidencyManager(
             plan=config.plan,
             sparse_layer_ids=store.sparse_layers,
@@ -328,19 +328,21 @@ class Coordinator:
         fallback_delta, self._fallback_ops = max(0, fallback - self._fallback_ops), fallback
         stats = self.book.end(done, relayed=relayed, wrap_path=self.gpu.wrap_path, io_fallback_ops=fallback_delta)
         violations = self._hook_violations() - self._violations
-        if isinstance(self.hooked, HookedBackend):
-            hooked = self.hooked
+        if isinstance(self.fence_checked, FenceCheckedBackend):
+            checked = self.fence_checked
             logger.info(
                 "test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
                 job_id,
-                hooked.scribbles,
-                hooked.restores,
-                hooked.verified,
-                hooked.violations,
+                checked.scribbles,
+                checked.restores,
+                checked.verified,
+                checked.violations,
             )
         problem = None
         if violations:
-            messages = self.hooked.messages[-violations:] if isinstance(self.hooked, HookedBackend) else []
+            messages = (
+                self.fence_checked.messages[-violations:] if isinstance(self.fence_checked, FenceCheckedBackend) else []
+            )
             problem = f"{violations} test hook violation(s): " + "; ".join(messages[:5])
         return stats, problem
 
@@ -354,7 +356,7 @@ class Coordinator:
     # ------------------------------------------------------ helpers
 
     def _hook_violations(self) -> int:
-        return self.hooked.violations if isinstance(self.hooked, HookedBackend) else 0
+        return self.fence_checked.violations if isinstance(self.fence_checked, FenceCheckedBackend) else 0
 
     def _safe_point(self) -> None:
         """Inside a job, between two forward steps: the footprint check, and a failure if it cannot be met."""

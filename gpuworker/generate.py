@@ -32,6 +32,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from shared.commands import DEFAULT_PREFILL_STEP
 from shared.gpu_messages import Job, JobDone, Token
 
 __all__ = [
@@ -56,7 +57,6 @@ logger = logging.getLogger(__name__)
 LENGTH, STOP, CANCELLED = "length", "stop", "cancelled"
 PROMPT_TOO_LONG = "prompt_too_long"
 BAD_REQUEST = "bad_request"
-DEFAULT_PREFILL_STEP = 2048  # mlx-lm's generate_step default; <= MAX_ROUTE_ROWS / batch
 
 
 class JobRefused(ValueError):

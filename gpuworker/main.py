@@ -105,10 +105,14 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
         check_against_store(info, store)
     except Exception as error:
         raise SetupError(f"setup failed {step}: {type(error).__name__}: {error}") from error
+    return client, JobServer(channel, client, model, tokenizer, info, config)
+
+
+def _announce_ready(channel: Channel, server: JobServer, welcome: GpuWelcome) -> None:
+    """`gpu_ready`: from here on the coordinator sends jobs (so never after a stop request)."""
+    info, wrap_path = server.info, server.client.wrap_path
     channel.send(
-        GpuReady(
-            pid=os.getpid(), dense_bytes=info.dense_bytes, sparse_layers=info.sparse_layers, wrap_path=client.wrap_path
-        )
+        GpuReady(pid=os.getpid(), dense_bytes=info.dense_bytes, sparse_layers=info.sparse_layers, wrap_path=wrap_path)
     )
     logger.info(
         "ready: %s, %d dense bytes, sparse layers %s, slab %s (%d slots, %d working)",
@@ -119,7 +123,6 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
         welcome.total_slots,
         welcome.working_slots,
     )
-    return client, JobServer(channel, client, model, tokenizer, info, config)
 
 
 def run_gpu_worker(config: GpuWorkerArgs) -> int:
@@ -154,6 +157,7 @@ def run_gpu_worker(config: GpuWorkerArgs) -> int:
             if life.stop_requested:
                 logger.info("stopped while loading")
                 return EXIT_OK
+            _announce_ready(channel, server, welcome)
             server.serve()
             logger.info("stopping on signal %d", life.stop_signal)
             linger = 500  # let the last job_error / fence reach the coordinator

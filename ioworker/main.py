@@ -71,7 +71,7 @@ def load_manifest(path: str | os.PathLike[str]) -> tuple[str, ...]:
 
 
 def _welcome(config: IOWorkerArgs) -> Callable[[list[bytes]], bool | None]:
-    """The handshake's answer: True for our welcome, False for a shutdown, else SetupError."""
+    """The handshake's answer: True for our welcome, None for a shutdown, else HandshakeError."""
 
     def answer(frames: list[bytes]) -> bool | None:
         try:

@@ -20,12 +20,11 @@ from pathlib import Path
 
 from native import DEFAULT_BLOCK_SIZE, OpenMode, check_block_size
 from native.staging import STAGING_REQUESTS, StagingRequest
-from shared.config import MAX_COMPUTE_LANES, RunConfig, check_compute_lanes
+from shared.config import IO_MODES, MAX_COMPUTE_LANES, RunConfig, check_compute_lanes
 from shared.gpu_messages import MAX_ROUTE_ROWS
 
 COORDINATOR_MODULE, IO_WORKER_MODULE, GPU_WORKER_MODULE = "coordinator", "ioworker", "gpuworker"
 DEFAULT_PREFILL_STEP = 2048  # mlx-lm's generate_step default; <= MAX_ROUTE_ROWS / batch
-IO_MODE_CHOICES = ("auto", "direct", "dontneed", "buffered")
 
 
 def child_command(module: str, argv: Sequence[str], *, python: str = sys.executable) -> list[str]:
@@ -105,7 +104,7 @@ def parse_io_worker_argv(argv: Sequence[str] | None = None) -> IOWorkerArgs:
     add("--slot-bytes", type=int, required=True)
     add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     add("--queue-depth", type=int, default=8, help="concurrent reads")
-    add("--io-mode", choices=list(IO_MODE_CHOICES), default="auto")
+    add("--io-mode", choices=list(IO_MODES), default="auto")
     add("--staging", choices=list(STAGING_REQUESTS), default="auto", help="direct reads through huge-page buffers")
     add("--hint-queue", type=int, default=256, help="hint messages queued before drops")
     add("--death-fd", type=int, default=None, help="read end of the parent's death pipe")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import math
 import os
 import types
 import typing
@@ -38,6 +39,10 @@ def check_compute_lanes(value: object, *, name: str = "compute_lanes") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COMPUTE_LANES:
         raise ValueError(f"{name} must be in [1, {MAX_COMPUTE_LANES}] (an int), got {value!r}")
     return value
+
+
+# Durations that must be positive (io_replacement_grace_s may be 0: lost loads fail at once).
+POSITIVE_FLOATS = ("start_timeout_s", "footprint_interval_ms", "usage_flush_s")
 
 
 class ConfigError(ValueError):
@@ -159,8 +164,8 @@ def _value(kind: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a non-negative integer, got {value!r}")
         return value
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"{where} must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{where} must be a non-negative number, got {value!r}")
         return float(value)
     if kind is str:
         if not isinstance(value, str):
@@ -201,6 +206,9 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"io_mode must be one of {IO_MODES}, got {config.io_mode!r}")
     if config.io_workers < 1:
         raise ConfigError(f"io_workers must be >= 1, got {config.io_workers}")
+    for name in POSITIVE_FLOATS:
+        if not getattr(config, name) > 0:
+            raise ConfigError(f"{name} must be a positive number, got {getattr(config, name)!r}")
     if config.queue_limit < 1:
         raise ConfigError(f"queue_limit must be >= 1, got {config.queue_limit}")
     if config.compute_lanes is not None:

@@ -50,7 +50,7 @@ def _nonblocking_pipe() -> tuple[int, int]:
     return read_end, write_end
 
 
-def drain_fd(fd: int) -> bytes:
+def _drain_fd(fd: int) -> bytes:
     """Everything readable on a non-blocking descriptor now (b"" at end of file or when empty)."""
     chunks = []
     while True:
@@ -144,7 +144,7 @@ class ProcessLife:
     def drain(self, events: dict | None = None) -> None:
         """Empty the wake pipe once it has woken a poll."""
         if events is None or self.wake_fd in events:
-            drain_fd(self.wake_fd)
+            _drain_fd(self.wake_fd)
 
     # -- asyncio ----------------------------------------------------------------------------------
 
@@ -206,4 +206,4 @@ def handshake(
     raise HandshakeError(f"no {waiting_for} from {endpoint} within {timeout:g} s", answered=False)
 
 
-__all__ = ["STOP_SIGNALS", "HandshakeError", "ProcessLife", "drain_fd", "handshake"]
+__all__ = ["STOP_SIGNALS", "HandshakeError", "ProcessLife", "handshake"]

@@ -58,7 +58,7 @@ def open_socket(
             sock.setsockopt(zmq.ROUTING_ID, routing_id.encode())
         if bind is not None:
             sock.bind(bind)
-            path = ipc_path(bind)
+            path = ipc_path(bound_endpoint(sock))  # the resolved name (an `ipc://*` bind picks one)
             if path is not None:
                 os.chmod(path, 0o600)
         if connect is not None:

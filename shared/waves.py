@@ -20,9 +20,9 @@ from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
 
 def wave_partition(routes: np.ndarray | Sequence[int], working_slots: int) -> list[tuple[int, ...]]:
     """The unique experts of `routes` (flattened row-major) in first-seen order, `working_slots` at a time."""
-    flat = np.asarray(routes).reshape(-1)
-    values, first = np.unique(flat, return_index=True)
-    order = values[np.argsort(first, kind="stable")].tolist()
+    # dict keeps first-seen order; for a decode step's few ids it is faster than numpy's unique.
+    flat = routes.reshape(-1).tolist() if isinstance(routes, np.ndarray) else list(routes)
+    order = list(dict.fromkeys(flat))
     return [tuple(order[start : start + working_slots]) for start in range(0, len(order), working_slots)]
 
 
@@ -68,7 +68,6 @@ def build_expert_batch_union(
     """
     limit = require_int(max_unique_per_wave, "max_unique_per_wave", minimum=1)
     consumers: dict[int, list[tuple[int, int]]] = {}
-    selected: list[int] = []
     for row, route in enumerate(_route_rows(routes)):
         if isinstance(route, (str, bytes)) or not isinstance(route, (Sequence, np.ndarray)):
             raise TypeError(f"route {row} must be a sequence of expert ids, got {route!r}")
@@ -78,10 +77,9 @@ def build_expert_batch_union(
             except (TypeError, ValueError) as error:
                 raise type(error)(f"route {row} rank {rank} has invalid expert {expert!r}") from None
             consumers.setdefault(expert_id, []).append((row, rank))
-            selected.append(expert_id)
     return [
         ExpertUnionWave(tuple(ExpertUnionEntry(expert, tuple(consumers[expert])) for expert in wave))
-        for wave in wave_partition(np.asarray(selected), limit)  # huge ids become an object array
+        for wave in wave_partition(list(consumers), limit)  # already first-seen, once each
     ]
 
 

@@ -38,15 +38,17 @@ def io_worker_name(index: int) -> str:
 def ask_health(endpoint: str, *, timeout: float) -> HealthReply | None:
     """One `health` request to the jobs endpoint; None when no (good) reply came within `timeout` s."""
     context = zmq.Context()
-    sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False)
+    sock = None
     try:
+        sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False)
         sock.send(encode(HealthRequest(id="health")))
         if sock.poll(timeout * 1000):
             reply = decode(sock.recv(), CLIENT_ACCEPTS)
             return reply if isinstance(reply, HealthReply) else None
         return None
     finally:
-        sock.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
         context.term()
 
 
@@ -61,9 +63,10 @@ def wait_until_ready(
     """Return once health says ready with all `io_workers`; LaunchError when a child exits or time runs out."""
     deadline = time.monotonic() + timeout
     context = zmq.Context()
-    sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False)
+    sock = None
     last: HealthReply | None = None
     try:
+        sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False)
         asked = 0
         next_ask = 0.0
         while True:
@@ -91,7 +94,8 @@ def wait_until_ready(
                     if reply.ready and reply.io_workers == io_workers:
                         return
     finally:
-        sock.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
         context.term()
 
 

@@ -17,10 +17,12 @@ from coordinator.backend import IOWorkerBackend
 from coordinator.io_pool import IOWorkerPool
 from coordinator.io_results import BackendStateError, ExpertLoadError, IOWorkerStartError, StaleGenerationError
 from coordinator.io_sessions import WATCH_INTERVAL_S
+from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_backend import ExpertResidencyBackend
 from shared.io_messages import WORKER_COMMANDS, Hello, HintStatus, Load, Loaded, Ready, Welcome
+from shared.plan import plan_expert_residency
 from shared.protocol import decode, encode
-from shared.segments import ExpertIOHintSegment, ExpertIOSegment
+from shared.segments import ExpertIOHintSegment, ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import SLOT_ALIGNMENT, Slab
 
 SLOT = 4 * SLOT_ALIGNMENT
@@ -226,6 +228,34 @@ def test_hints_reach_the_workers(tmp_path):
                     backend.hint_segments([ExpertIOHintSegment(5, 0, 10)])
                 telemetry = await backend.request_telemetry()
                 assert sorted(t.index for t in telemetry) == [0, 1]
+
+    run(scenario())
+
+
+def test_the_residency_managers_hints_reach_the_workers(tmp_path):
+    """hint_experts over the real backend: a location without hint segments is warmed whole."""
+    paths, _ = write_files(tmp_path, 2)
+
+    def locate(layer: int, expert: int) -> ExpertResidencyLocation:
+        return ExpertResidencyLocation(layer, expert, expert_segments(expert))
+
+    async def scenario() -> None:
+        plan = plan_expert_residency(
+            budget_bytes=2 * SLOT, fixed_bytes=0, slot_bytes=SLOT, sparse_layers=1, working_slots=1
+        )
+        with Slab.create(total_slots=plan.total_slots, slot_bytes=SLOT) as slab:
+            async with IOWorkerPool(slab=slab, manifest=paths, workers=1) as pool:
+                manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=[0], backend=pool.backend, locate=locate)
+                manager.hint_experts(0, [1, 2])
+                for _ in range(200):
+                    snapshot = pool.backend.hint_telemetry()
+                    if snapshot.completed == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                telemetry = manager.drain_hint_telemetry()
+                assert (telemetry.candidates, telemetry.submit_errors, telemetry.submitted) == (2, 0, 2)
+                want = sum(segment.length for expert in (1, 2) for segment in expert_segments(expert))
+                assert (snapshot.completed, snapshot.bytes) == (2, want)
 
     run(scenario())
 

@@ -47,7 +47,7 @@ from shared.process import ProcessLife
 from shared.protocol import ErrorReply, decode, encode, error_frame
 from shared.slab import Slab
 from shared.store import ExpertStore
-from shared.waves import build_expert_batch_union, wave_partition
+from shared.waves import build_expert_batch_union
 from tests.helpers.models import write_tiny_model
 from tests.helpers.oracle import oracle, relative_difference
 
@@ -333,14 +333,6 @@ def no_violations(request):
 
 
 # ------------------------------------------------------------------------------ tests
-
-
-def test_wave_partition_is_the_coordinators():
-    rng = np.random.default_rng(0)
-    for rows, top_k, experts, bank in ((1, 2, 8, 2), (37, 2, 8, 2), (50, 4, 64, 7), (3, 8, 16, 100)):
-        routes = rng.integers(0, experts, (rows, top_k)).astype(np.int32)
-        want = [wave.expert_ids for wave in build_expert_batch_union(routes, bank)]
-        assert wave_partition(routes, bank) == want
 
 
 def test_channel_keeps_what_arrives_while_it_waits():

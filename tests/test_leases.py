@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 
-from coordinator.fence_checks import SCRIBBLE, HookedBackend, wrap_backend
+from coordinator.fence_checks import SCRIBBLE, FenceCheckedBackend, with_fence_checks
 from coordinator.leases import LOAD_FAILED, LeaseService
 from coordinator.memory_backend import InMemoryBackend
 from coordinator.residency import ExpertResidencyManager
@@ -287,8 +287,8 @@ def slab():
 
 @run_async
 async def test_scribble_and_verify_hooks(slab):
-    hooked = wrap_backend(SlabBackend(slab), ("scribble_fenced", "verify_fenced"), slab=slab)
-    assert isinstance(hooked, HookedBackend)
+    hooked = with_fence_checks(SlabBackend(slab), ("scribble_fenced", "verify_fenced"), slab=slab)
+    assert isinstance(hooked, FenceCheckedBackend)
     service, _manager, _ = make(backend=hooked)
     lease = await service.handle(routes(1, [[0, 1]]))
     real = {slot: slot_bytes(slab, slot) for slot in lease.slots}
@@ -321,6 +321,6 @@ async def test_scribble_and_verify_hooks(slab):
 
 def test_no_hooks_is_the_backend_itself(slab):
     backend = InMemoryBackend(slab.total_slots)
-    assert wrap_backend(backend, (), slab=slab) is backend
+    assert with_fence_checks(backend, (), slab=slab) is backend
     with pytest.raises(ValueError, match="unknown test hook"):
-        wrap_backend(backend, ("scribble_everything",), slab=slab)
+        with_fence_checks(backend, ("scribble_everything",), slab=slab)

@@ -1,4 +1,4 @@
-"""Unit tests of the pure residency functions (coordinator/residency_plan.py).
+"""Unit tests of the pure residency functions (shared/plan.py, shared/waves.py, shared/segments.py).
 
 Each expectation is worked out by hand from the reference (residency.ts):
 the layout arithmetic, the stable batch union, the hint-segment skip and the

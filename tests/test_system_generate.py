@@ -13,6 +13,7 @@ GPU worker that dies mid-job, and another process writing leased slots.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -282,6 +283,9 @@ def test_config_round_trip_and_refusals(tmp_path):
     write_config(config, tmp_path / "config.json")
     assert (os.stat(tmp_path / "config.json").st_mode & 0o777) == 0o600
     assert read_config(tmp_path / "config.json") == config
+    no_grace = dataclasses.replace(config, io_replacement_grace_s=0.0)  # lost loads fail at once: allowed
+    write_config(no_grace, tmp_path / "no-grace.json")
+    assert read_config(tmp_path / "no-grace.json") == no_grace
     data = json.loads((tmp_path / "config.json").read_text())
     for change, needle in (
         (lambda d: d["plan"].update(total_slots=1), "does not match the plan"),
@@ -290,7 +294,11 @@ def test_config_round_trip_and_refusals(tmp_path):
         (lambda d: d.update(pinned=[]), "pinned must hold 1"),
         (lambda d: d["slab"].update(slot_bytes=-1), "config.slab.slot_bytes"),
         (lambda d: d.update(surprise=1), "unknown field(s) ['surprise']"),
-        (lambda d: d.pop("plan"), "missing field 'plan'"),
+        (lambda d: d.update(usage_flush_s=0), "usage_flush_s must be a positive number, got 0.0"),
+        (lambda d: d.update(io_replacement_grace_s=-1), "config.io_replacement_grace_s must be a non-negative"),
+        (lambda d: d.update(start_timeout_s=float("nan")), "config.start_timeout_s must be a non-negative number"),
+        (lambda d: d.update(compute_lanes=17), "compute_lanes must be in [1, 16]"),
+        (lambda d: d.pop("plan"), "missing field 'plan'"),  # last: the coordinator is run on it below
     ):
         broken = json.loads(json.dumps(data))
         change(broken)
