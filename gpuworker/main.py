@@ -33,15 +33,14 @@ from gpuworker.serve import JobServer
 from gpuworker.slots import ZERO_COPY
 from shared.commands import GpuWorkerArgs, parse_gpu_worker_argv
 from shared.gpu_messages import GPU_WORKER_ACCEPTS, GpuGoodbye, GpuHello, GpuReady, GpuWelcome
-from shared.process import HandshakeError, ProcessLife, handshake
-from shared.protocol import ErrorReply, ProtocolError, decode, encode, error_frame
+from shared.process import HandshakeError, ProcessLife, handshake, report_setup_failure
+from shared.protocol import ErrorReply, ProtocolError, decode, encode
 from shared.slab import Slab
 from shared.sockets import open_socket
 from shared.store import ExpertStore
 
 logger = logging.getLogger("gpuworker")
 
-SETUP_FAILED = "setup_failed"
 EXIT_OK, EXIT_SETUP_FAILED = 0, 1
 # The largest frame the coordinator may legally send is a `job` at its schema limits
 # (1 Mi prompt tokens at up to 9 msgpack bytes each, or 1 Mi characters of text); a frame
@@ -168,12 +167,7 @@ def run_gpu_worker(config: GpuWorkerArgs) -> int:
             return EXIT_OK
         except (SetupError, HandshakeError) as error:
             logger.error("%s", error)
-            if sock is not None and getattr(error, "answered", True):  # nobody answered: nobody to tell
-                try:
-                    sock.send(error_frame(SETUP_FAILED, str(error)), zmq.NOBLOCK)
-                    linger = 1000  # give the error a moment to reach the coordinator
-                except zmq.ZMQError:
-                    pass
+            linger = report_setup_failure(sock, error)
             return EXIT_SETUP_FAILED
         finally:
             if client is not None and client.holding and not parent_gone:

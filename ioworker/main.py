@@ -35,7 +35,7 @@ from shared.io_messages import (
     Welcome,
     WorkerTelemetry,
 )
-from shared.process import HandshakeError, ProcessLife, handshake
+from shared.process import HandshakeError, ProcessLife, handshake, report_setup_failure
 from shared.protocol import (
     BAD_REQUEST,
     INTERNAL,
@@ -51,7 +51,6 @@ from shared.sockets import open_socket
 
 logger = logging.getLogger("ioworker")
 
-SETUP_FAILED = "setup_failed"
 EXIT_OK, EXIT_SETUP_FAILED = 0, 1
 
 
@@ -265,12 +264,7 @@ def run_io_worker(config: IOWorkerArgs) -> int:
             return EXIT_OK
         except (SetupError, HandshakeError) as error:
             logger.error("%s", error)
-            if sock is not None and getattr(error, "answered", True):
-                try:
-                    sock.send(error_frame(SETUP_FAILED, str(error)), zmq.NOBLOCK)
-                    linger = 1000  # give the error a moment to reach the coordinator
-                except zmq.ZMQError:
-                    pass
+            linger = report_setup_failure(sock, error)
             return EXIT_SETUP_FAILED
         finally:
             if hints is not None:

@@ -1,4 +1,4 @@
-"""The run configuration: written once by the launcher, read by the coordinator.
+"""The run configuration: written once by the supervisor, read by the coordinator; the children's argv derive from it.
 
 `RUN_DIR/config.json` holds everything a coordinator needs to serve one run:
 the residency plan, the slab's name and geometry, the model directory, the

@@ -17,7 +17,8 @@ does the stopping itself, outside signal context.
 
 An asyncio process (the coordinator) uses `watch_loop` instead of the
 handlers. `handshake` is the DEALER side of the startup exchange (hello, then
-the peer's welcome) that the two workers share.
+the peer's welcome) that the two workers share, and `report_setup_failure`
+how either tells the coordinator it cannot start.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from typing import TypeVar
 
 import zmq
 
+from shared.protocol import error_frame
+
 T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SETUP_FAILED = "setup_failed"  # the `error` code a worker sends when it cannot start
 
 
 class HandshakeError(RuntimeError):
@@ -206,4 +210,16 @@ def handshake(
     raise HandshakeError(f"no {waiting_for} from {endpoint} within {timeout:g} s", answered=False)
 
 
-__all__ = ["STOP_SIGNALS", "HandshakeError", "ProcessLife", "handshake"]
+def report_setup_failure(sock: zmq.Socket | None, error: Exception) -> int:
+    """Tell the peer why this worker cannot start (`error` with code `setup_failed`), unless nobody
+    answered its hello; the linger (ms) its socket should close with so the message leaves."""
+    if sock is None or not getattr(error, "answered", True):
+        return 0
+    try:
+        sock.send(error_frame(SETUP_FAILED, str(error)), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        return 0
+    return 1000
+
+
+__all__ = ["SETUP_FAILED", "STOP_SIGNALS", "HandshakeError", "ProcessLife", "handshake", "report_setup_failure"]
