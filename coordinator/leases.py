@@ -19,7 +19,7 @@ import numpy as np
 
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_core import ExpertBatchLease
-from shared.gpu_messages import Fence, Fenced, Lease, Routes
+from shared.gpu_messages import Fence, Fenced, Lease, Prefetch, Routes
 from shared.protocol import BAD_REQUEST, INTERNAL, ErrorReply
 from shared.waves import ExpertUnionWave, build_expert_batch_union
 
@@ -147,6 +147,7 @@ class LeaseService:
                 f"routes for layer {layer}: row {row} rank {rank} names expert {top}; "
                 f"the layer has experts 0..{self._experts - 1}"
             )
+        self._check_prefetch(message)
         held = self._held
         if message.fence is not None:
             if held is None or held.lease_id != message.fence:
@@ -166,8 +167,53 @@ class LeaseService:
             self._release(held, ended=True)
         self._manager.record_routes(layer, routes)  # every selection, before dedup
         visit = _Visit(layer, build_expert_batch_union(routes, self._working))
+        # The layer is visited now: its prefetch reads for experts it does not route to can stop.
+        self._manager.cancel_prefetch(layer, [expert for wave in visit.waves for expert in wave.expert_ids])
         self._counts.visits += 1
         return await self._acquire(visit, 0)
+
+    def prefetch(self, message: Routes | Prefetch) -> int | ErrorReply:
+        """Start the reads a prediction asks for; how many were issued. A `routes`' prediction runs
+        after its lease was answered (the demand reads go first) and was checked with it; a
+        `prefetch` message is checked here (an `error` names a bad value). Advisory: a failure to
+        read is logged, nothing else."""
+        if isinstance(message, Prefetch):
+            try:
+                self._check_prediction(f"prefetch for layer {message.layer}", message.layer, None, message.experts)
+            except LeaseRefused as refusal:
+                self._counts.refused += 1
+                logger.warning("refused prefetch: %s", refusal.message)
+                return ErrorReply(code=refusal.code, message=refusal.message)
+            layer, experts = message.layer, message.experts
+        else:
+            if message.prefetch_layer is None or not message.prefetch:
+                return 0
+            layer, experts = message.prefetch_layer, message.prefetch
+        try:
+            return self._manager.prefetch(layer, experts)
+        except Exception:
+            logger.exception("prefetch for layer %d failed", layer)
+            return 0
+
+    def _check_prefetch(self, message: Routes) -> None:
+        """A prediction riding on `routes` is checked with it: a bad one refuses the whole request."""
+        if message.prefetch_layer is None:
+            if message.prefetch:
+                raise _refuse(
+                    f"routes for layer {message.layer} predict experts {list(message.prefetch)[:8]} "
+                    "but name no prefetch_layer"
+                )
+            return
+        self._check_prediction(
+            f"routes for layer {message.layer}", message.prefetch_layer, message.layer, message.prefetch
+        )
+
+    def _check_prediction(self, what: str, layer: int, visited: int | None, experts: tuple[int, ...]) -> None:
+        if layer not in self._sparse or layer == visited:
+            raise _refuse(f"{what}: prefetch layer {layer} is not another sparse layer")
+        bad = [expert for expert in experts if expert >= self._experts]
+        if bad or len(set(experts)) != len(experts):
+            raise _refuse(f"{what}: prefetch {list(experts)} must name distinct experts 0..{self._experts - 1}")
 
     async def _fence(self, message: Fence) -> Lease | Fenced:
         held = self._held

@@ -1,8 +1,9 @@
 """The residency manager: the core's slot leasing plus the policy around it.
 
 `ExpertResidencyManager` is `coordinator.residency_core.ResidencyCore` (the
-slots, the pins and the serial wave of leases) with the operations that
-run beside the lease path:
+slots, the pins and the serial wave of leases) with its prefetch path
+(`coordinator.residency_prefetch`) and the operations that run beside the
+lease path:
 
 - safe-point policy (only while no wave is active): pressure correction
   (evict least-recent resident experts, disabling their slots, until the
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from coordinator.prefetch import PrefetchBook
 from coordinator.residency_backend import EMPTY_HINT_SNAPSHOT, ExpertIOHintSnapshot, ExpertResidencyBackend
-from coordinator.residency_core import Locate, ResidencyCore
+from coordinator.residency_core import Locate
+from coordinator.residency_prefetch import PrefetchingCore
 from coordinator.residency_types import (
     ExpertHintTelemetry,
     ExpertRepinEvent,
@@ -34,7 +37,7 @@ from shared.segments import ExpertIOHintSegment
 RouteObserver = Callable[[int, object], None]
 
 
-class ExpertResidencyManager(ResidencyCore):
+class ExpertResidencyManager(PrefetchingCore):
     """Deterministic, serial-forward residency policy over a fixed slab."""
 
     def __init__(
@@ -47,8 +50,16 @@ class ExpertResidencyManager(ResidencyCore):
         pinned: Sequence[tuple[int, int]] | None = None,
         usage: object | None = None,
         route_observer: RouteObserver | None = None,
+        prefetch: PrefetchBook | None = None,
     ) -> None:
-        super().__init__(plan=plan, sparse_layer_ids=sparse_layer_ids, backend=backend, locate=locate, pinned=pinned)
+        super().__init__(
+            plan=plan,
+            sparse_layer_ids=sparse_layer_ids,
+            backend=backend,
+            locate=locate,
+            pinned=pinned,
+            prefetch=prefetch,
+        )
         self._usage = usage
         self._route_observer = route_observer
         self._pressure_evictions = 0

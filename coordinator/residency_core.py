@@ -104,6 +104,7 @@ class ResidencyCore:
         self._pinned = pins
         self._pinned_keys = set(pins)
         self._active = False
+        self._active_layer: int | None = None  # the layer of the active wave
         self._clock = 0
         self._generation = 0
         self._hits = 0
@@ -158,22 +159,24 @@ class ResidencyCore:
             )
 
         counters = self._demand if classification == "demand" else self._policy
-        self._active = True
+        self._active, self._active_layer = True, layer
         entries: list[ExpertResidencyLeaseEntry] = []
         loaded: list[SlotRecord] = []
         try:
+            in_flight: list[SlotRecord] = []
             for expert in unique:
                 slot = self._lookup.get((layer, expert))
                 if slot is None:
                     continue
                 record = self._slots[slot]
+                if record.phase == "loading":  # a prefetch still reading it: wait for that read, not a second
+                    in_flight.append(record)
+                    continue
                 if record.phase != "ready":
                     raise ResidencyError(f"resident expert {layer}:{expert} is {record.phase}, not ready")
-                self._backend.lease(record.id, record.generation, "gpu")
-                record.phase = "leased"
-                self._clock += 1
-                record.last_use = self._clock
-                entries.append(self._table.entry(record, hit=True))
+                self._lease_hit(record, entries, None)
+            if in_flight:
+                await self._await_in_flight(in_flight, entries)
 
             hit_ids = {entry.expert_id for entry in entries}
             misses = [expert for expert in unique if expert not in hit_ids]
@@ -302,6 +305,45 @@ class ResidencyCore:
                     self._table.forget(self._slots[entry.slot])
         finally:
             self._active = False
+
+    def _lease_hit(self, record: SlotRecord, entries: list[ExpertResidencyLeaseEntry], waited_ms: float | None) -> None:
+        self._backend.lease(record.id, record.generation, "gpu")
+        record.phase = "leased"
+        self._clock += 1
+        record.last_use = self._clock
+        entries.append(self._table.entry(record, hit=True))
+        if record.prefetched:
+            record.prefetched = False
+            self._prefetch_used(record, waited_ms)
+
+    async def _await_in_flight(self, records: list[SlotRecord], entries: list[ExpertResidencyLeaseEntry]) -> None:
+        """Lease the experts whose (prefetch) reads are in flight once they land; a read that fails
+        leaves its expert a plain miss, loaded again below."""
+        generations = [record.generation for record in records]
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(
+            *(self._backend.wait(record.id, generation) for record, generation in zip(records, generations)),
+            return_exceptions=True,
+        )
+        waited_ms = (time.perf_counter() - started) * 1e3
+        for record, generation, outcome in zip(records, generations, outcomes):
+            self._settle_load(record, generation, outcome)
+            if record.phase == "ready" and record.generation == generation:
+                self._lease_hit(record, entries, waited_ms)
+
+    def _settle_load(self, record: SlotRecord, generation: int, outcome: object) -> None:
+        """A read into a layer slot (a prefetch) ended: its expert becomes resident, or is forgotten.
+        Idempotent: whoever sees the outcome first (the read's own waiter or a demand) settles it."""
+        if record.phase != "loading" or record.generation != generation:
+            return
+        if isinstance(outcome, BaseException):
+            record.phase = "ready"  # the backend holds the slot failed: a discard makes it idle
+            self._table.forget(record, keep_layer=True)
+        else:
+            record.phase = "ready"
+
+    def _prefetch_used(self, record: SlotRecord, waited_ms: float | None) -> None:
+        """A demand lease took an expert a prefetch read (`waited_ms`: it waited for the read)."""
 
     # -- telemetry of the lease path ----------------------------------------
 

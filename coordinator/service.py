@@ -29,6 +29,7 @@ from coordinator.footprint import FootprintMeter
 from coordinator.jobs import FrontDoorLimits, JobFrontDoor
 from coordinator.leases import LeaseService
 from coordinator.metered_backend import LoadTimer, MeteredBackend
+from coordinator.prefetch import PrefetchBook, prefetch_count
 from coordinator.residency import ExpertResidencyManager
 from coordinator.safepoint import SafePoints
 from coordinator.stats import JobBook
@@ -44,6 +45,8 @@ from shared.gpu_messages import (
     GpuWelcome,
     JobDone,
     JobError,
+    Lease,
+    Prefetch,
     Routes,
     Token,
 )
@@ -121,6 +124,7 @@ class Coordinator:
             locate=store.locate,
             pinned=[tuple(pair) for pair in config.pinned],
             usage=ledger,
+            prefetch=PrefetchBook(mode=config.prefetch),  # type: ignore[arg-type]
         )
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
         self.safepoints = SafePoints(
@@ -221,8 +225,14 @@ class Coordinator:
                 self.leases.release_for_lost_worker("lost while its wave was being loaded")
                 return
             self._send(self.gpu_sock, identity, reply)
+            if isinstance(message, Routes) and isinstance(reply, Lease):  # demand first, then the prediction
+                self.leases.prefetch(message)
             if isinstance(reply, Fenced):  # the end of a forward step: nothing is leased
                 self._safe_point()
+        elif isinstance(message, Prefetch):  # no reply owed, unless it is refused
+            refused = self.leases.prefetch(message) if self.io_ready else 0
+            if isinstance(refused, ErrorReply):
+                self._send(self.gpu_sock, identity, refused)
         elif isinstance(message, (Token, JobDone, JobError)):
             await self.front.on_gpu(message)
             if isinstance(message, Token):
@@ -259,6 +269,7 @@ class Coordinator:
                 slot_bytes=plan.slot_bytes,
                 working_slots=plan.working_slots,
                 block_size=self.store.block_size,
+                prefetch=prefetch_count(self.config.prefetch, self.store.top_k, self.config.prefetch_margin),
             ),
         )
 

@@ -7,6 +7,7 @@ a layer's slot set and the working bank partition the live slots).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,7 @@ class SlotRecord:
     expert_id: int | None = None
     generation: int = 0
     last_use: int = 0
+    prefetched: bool = False  # read by a prefetch and not yet leased by demand
 
 
 class SlotTable:
@@ -35,6 +37,8 @@ class SlotTable:
 
     def __init__(self, backend: ExpertResidencyBackend) -> None:
         self.backend = backend
+        # Told when a slot a prefetch read loses its expert before any demand lease took it.
+        self.on_prefetch_lost: Callable[[SlotRecord], None] | None = None
         self.slots: list[SlotRecord] = []
         self.working: set[int] = set()
         self.layer_slots: dict[int, set[int]] = {}
@@ -57,6 +61,10 @@ class SlotTable:
 
     def forget(self, record: SlotRecord, *, keep_layer: bool = False) -> None:
         """Discard a ready slot's contents and its lookup entry; it becomes idle."""
+        if record.prefetched:
+            record.prefetched = False
+            if self.on_prefetch_lost is not None:
+                self.on_prefetch_lost(record)
         key = (record.layer, record.expert_id)
         if record.layer is not None and record.expert_id is not None and self.lookup.get(key) == record.id:
             del self.lookup[key]

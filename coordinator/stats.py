@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from coordinator.footprint import FootprintMeter
 from coordinator.leases import LeaseService, LeaseServiceStats
 from coordinator.metered_backend import LoadTimer
+from coordinator.prefetch import PrefetchTelemetry
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ExpertHintTelemetry, ExpertResidencySnapshot, nearest_rank
 from shared.gpu_messages import JobDone
@@ -79,6 +80,7 @@ class JobFigures:
     budget: int
     overhead: int
     io_fallback_ops: int
+    prefetch: PrefetchTelemetry
 
 
 def _rate(count: int, milliseconds: float) -> float:
@@ -118,6 +120,24 @@ def job_stats(job: JobFigures) -> JobStats:
         budget_bytes=job.budget,
         io_fallback_ops=job.io_fallback_ops,
         overhead_bytes=job.overhead,
+        **prefetch_fields(job.prefetch, lease.misses),
+    )
+
+
+def prefetch_fields(prefetch: PrefetchTelemetry, demand_misses: int) -> dict[str, object]:
+    """The `prefetch_*` fields of a `JobStats`."""
+    return dict(
+        prefetch_predicted=prefetch.predicted,
+        prefetch_issued=prefetch.issued,
+        prefetch_useful=prefetch.useful,
+        prefetch_wasted=prefetch.wasted,
+        prefetch_bytes=prefetch.issued_bytes,
+        prefetch_wasted_bytes=prefetch.wasted_bytes,
+        prefetch_recall=prefetch.recall(demand_misses),
+        prefetch_precision=prefetch.precision,
+        prefetch_waits=prefetch.waits,
+        prefetch_wait_ms=prefetch.wait_ms,
+        prefetch_disabled_layers=len(prefetch.disabled_layers),
     )
 
 
@@ -141,6 +161,7 @@ class _Sums:
     io_fallback_ops: int = 0
     wrap_path: str = "copy"
     jobs: int = 0
+    prefetch: PrefetchTelemetry = field(default_factory=PrefetchTelemetry)
     disk: Reservoir = field(default_factory=lambda: Reservoir(seed=1))
     wait: Reservoir = field(default_factory=lambda: Reservoir(seed=2))
 
@@ -181,6 +202,7 @@ class RunTotals:
             sums.hints_dropped += job.hints.dropped
             sums.hints_skipped += job.hints.resident_skipped
         sums.io_fallback_ops += job.io_fallback_ops
+        sums.prefetch = sums.prefetch + job.prefetch
         sums.disk.extend(job.disk_ms)
         sums.wait.extend(job.wait_ms)
 
@@ -217,6 +239,7 @@ class RunTotals:
             budget_bytes=budget,
             io_fallback_ops=sums.io_fallback_ops,
             overhead_bytes=overhead,
+            **prefetch_fields(sums.prefetch, sums.misses),
         )
 
 
@@ -236,6 +259,7 @@ class JobBook:
         self._meter.begin_job()
         self._timer.take()  # samples of the preload or a live repin belong to no job
         self._manager.drain_hint_telemetry()
+        self._manager.prefetch_book.drain()  # what the previous job's last predictions did belongs to it
 
     def end(self, done: JobDone | None, *, relayed: int, wrap_path: str, io_fallback_ops: int) -> JobStats:
         """The job's `JobStats`; the job also goes into the run's totals."""
@@ -258,6 +282,7 @@ class JobBook:
             budget=self._budget,
             overhead=self._meter.overhead(),
             io_fallback_ops=io_fallback_ops,
+            prefetch=self._manager.prefetch_book.drain(),
         )
         self._before = after
         self.totals.add(figures)

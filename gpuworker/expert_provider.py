@@ -185,11 +185,15 @@ class LeasedWave:
 class ExpertProvider(Protocol):
     """Where a streamed module gets its experts (in memory for tests; the lease protocol: `gpuworker.lease_client`)."""
 
-    def acquire(self, layer: int, routes: np.ndarray) -> Sequence[LeasedWave]:
+    def acquire(
+        self, layer: int, routes: np.ndarray, *, prefetch: tuple[int, tuple[int, ...]] | None = None
+    ) -> Sequence[LeasedWave]:
         """Lease the experts of `routes` (rows x top_k, every selection, before dedup).
 
         Returns the waves in order; together they hold each routed expert once.
         A wave's tensors may load lazily (on `take`, after the previous fence).
+        `prefetch` (only for modules given a predictor): (the next sparse layer, the
+        experts predicted for it, best first), advisory; a provider may ignore it.
         """
         ...
 

@@ -41,7 +41,7 @@ from gpuworker.lease_stats import DECODE, END_STEP, PREFILL, LeaseClientStats, L
 from gpuworker.lease_visit import Visit, check_lease, visit_wave
 from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, slot_arrays, stacked_slot_arrays, zero_copy_supported
 from shared.config import check_compute_lanes
-from shared.gpu_messages import Fence, Fenced, Lease, RouteMatrix, Routes
+from shared.gpu_messages import Fence, Fenced, Lease, Prefetch, RouteMatrix, Routes
 from shared.waves import wave_partition
 
 __all__ = ["LeaseClient"]
@@ -113,7 +113,9 @@ class LeaseClient:
 
     # -- ExpertProvider ---------------------------------------------------------------------------
 
-    def acquire(self, layer: int, routes: np.ndarray) -> Sequence[LeasedWave]:
+    def acquire(
+        self, layer: int, routes: np.ndarray, *, prefetch: tuple[int, tuple[int, ...]] | None = None
+    ) -> Sequence[LeasedWave]:
         if self.channel.stop_requested():
             raise WorkerStopping("stop requested")
         if self._visit is not None or (self._unsent is not None and not self._unsent_last):
@@ -128,11 +130,18 @@ class LeaseClient:
         self._bucket[0] += 1
         try:
             try:
-                lease = self._request(
-                    Routes(layer=layer, routes=RouteMatrix(routes), fence=piggyback),
-                    f"routes of layer {layer}",
-                    piggyback=piggyback,
+                message = (
+                    Routes(layer=layer, routes=RouteMatrix(routes), fence=piggyback)
+                    if prefetch is None
+                    else Routes(
+                        layer=layer,
+                        routes=RouteMatrix(routes),
+                        fence=piggyback,
+                        prefetch_layer=prefetch[0],
+                        prefetch=prefetch[1],
+                    )
                 )
+                lease = self._request(message, f"routes of layer {layer}", piggyback=piggyback)
             except LeaseError:
                 self._settle(piggyback)
                 raise
@@ -163,6 +172,10 @@ class LeaseClient:
         for index in range(1, len(waves)):
             result.append(visit_wave(visit, index, lambda index=index: self._load_next(visit, index)))
         return result
+
+    def prefetch(self, layer: int, experts: tuple[int, ...]) -> None:
+        """Send a prediction no `routes` can carry (the first sparse layer's); no reply is owed."""
+        self.channel.send(Prefetch(layer=layer, experts=experts))
 
     def fence(self, wave: LeasedWave) -> None:
         visit, index = getattr(wave, "visit", None), getattr(wave, "index", None)

@@ -99,7 +99,7 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
         )
         unused = "" if client.wrap_path != ZERO_COPY else "; unused on the zero-copy path"
         logger.info("compute lanes: %d (%s)%s", lanes, why, unused)
-        model, info = load_streamed_model(config.model, provider=client)  # dense weights only
+        model, info = load_streamed_model(config.model, provider=client, predict=welcome.prefetch)  # dense only
         step = "checking the model against the store"
         check_against_store(info, store)
     except Exception as error:

@@ -29,6 +29,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model
 
 from gpuworker.expert_provider import ExpertProvider
+from gpuworker.prediction import NextLayerRouter, PredictingEmbedding, next_layer_routers, router_scores
 from gpuworker.slots import mlx_storage_dtype
 from gpuworker.streamed import ExpertParam, StreamedSwitch
 
@@ -125,12 +126,15 @@ def load_streamed_model(
     lazy: bool = False,
     model_config: dict | None = None,
     trust_remote_code: bool = False,
+    predict: int = 0,
 ) -> tuple[nn.Module, StreamedModelInfo]:
     """The mlx-lm model of `model_dir` with every SwitchGLU/SwitchMLP streamed from `provider`.
 
     Dense parameters are evaluated (read) unless `lazy`; routed-expert
     tensors are never read. `strict` is mlx-lm's: every checkpoint tensor
-    must match a parameter of the model.
+    must match a parameter of the model. `predict` > 0: every streamed module
+    but the last ranks that many experts of the next sparse layer in decode
+    steps, by that layer's own router (`gpuworker.prediction`), for prefetch.
     """
     path = Path(model_dir)
     # lazy=True: nothing is read yet, so dropping the experts below costs no I/O.
@@ -144,6 +148,8 @@ def load_streamed_model(
             "module (mlx_lm.models.switch_layers): nothing to stream"
         )
     modules = []
+    wrappers: dict[int, StreamedSwitch] = {}
+    blocks: dict[int, Any] = {}  # the MoE block holding each layer's switch (its router is a sibling)
     for name, switch in found:
         sparse = _strip(name, switch)
         parent, key = _parent(model, name)
@@ -155,12 +161,18 @@ def load_streamed_model(
         else:
             parent[key] = wrapper
         modules.append(sparse)
+        wrappers[sparse.layer], blocks[sparse.layer] = wrapper, parent
     modules.sort(key=lambda module: module.layer)
     layers = tuple(module.layer for module in modules)
     if len(set(layers)) != len(layers):
         raise ValueError(
             f"{path}: more than one switch module in a decoder layer: {[module.path for module in modules]}"
         )
+    if predict > 0:
+        experts = {module.layer: module.num_experts for module in modules}
+        for layer, router in next_layer_routers(blocks, experts, count=predict).items():
+            wrappers[layer].predict = router
+        _predict_first_layer(model, blocks, experts, modules[0], provider, count=predict)
     dense = tree_flatten(model.parameters())
     if not lazy:
         mx.eval([array for _, array in dense])
@@ -184,6 +196,33 @@ def load_streamed_model(
     return model, info
 
 
+def _predict_first_layer(model: nn.Module, blocks, experts, first: SparseModule, provider, *, count: int) -> None:
+    """Wrap the token embedding so a decode step predicts the first sparse layer from the token
+    (`PredictingEmbedding`); skipped, and said, where the model's embedding or router is not found."""
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
+    ]
+    scores = router_scores(blocks[first.layer], experts[first.layer])
+    if len(found) != 1 or scores is None:
+        logger.info("the first sparse layer is not predicted: %d embeddings, router %s", len(found), scores is not None)
+        return
+    # The norm the decoder layer applies to its MoE block's input (post_attention_layernorm in mlx-lm).
+    prefix = re.match(r"^(.*?(?:layers|h)\.\d+)(?:\.|$)", first.path)
+    parent, key = _parent(model, prefix.group(1)) if prefix else (None, "")
+    decoder = parent[int(key)] if isinstance(parent, list) else parent[key] if parent is not None else None
+    norm = decoder.get("post_attention_layernorm") if isinstance(decoder, nn.Module) else None
+    name, embedding = found[0]
+    parent, key = _parent(model, name)
+    router = NextLayerRouter(first.layer, scores, max(1, min(count, experts[first.layer])))
+    wrapper = PredictingEmbedding(embedding, router, norm if isinstance(norm, nn.Module) else None, provider)
+    if isinstance(parent, list):
+        parent[int(key)] = wrapper
+    else:
+        parent[key] = wrapper
+
+
 def streamed_switches(model: nn.Module) -> list[StreamedSwitch]:
     """The streamed modules of `model`, by layer."""
     found = [module for _, module in model.named_modules() if isinstance(module, StreamedSwitch)]
@@ -194,6 +233,9 @@ def set_provider(model: nn.Module, provider: ExpertProvider) -> None:
     """Point every streamed module of `model` at `provider` (e.g. a new lease client)."""
     for module in streamed_switches(model):
         module.provider = provider
+    for _, module in model.named_modules():
+        if isinstance(module, PredictingEmbedding):
+            module.provider = provider
 
 
 def check_against_store(info: StreamedModelInfo, store: Any) -> None:

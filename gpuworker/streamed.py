@@ -42,6 +42,7 @@ import numpy as np
 
 from gpuworker.expert_provider import ExpertProvider, ExpertProviderError, LeasedWave, check_waves
 from gpuworker.lanes import lane_stream
+from gpuworker.prediction import NextLayerRouter
 
 __all__ = ["ExpertParam", "StreamedSwitch"]
 
@@ -130,6 +131,8 @@ class StreamedSwitch(nn.Module):
         self.num_experts = int(num_experts)
         self.provider = provider
         self._expert_params = _ParamSpecs(tuple(params))
+        # The next sparse layer's router (gpuworker.prediction); a plain attribute, not module state.
+        self.predict: NextLayerRouter | None = None
 
     @property
     def expert_params(self) -> tuple[ExpertParam, ...]:
@@ -259,14 +262,26 @@ class StreamedSwitch(nn.Module):
                 "do not share leading dimensions"
             )
         # The routes are data: evaluate them (and x, so no dense compute runs under the lease).
-        _evaluate(x, indices)
+        # A decode step also ranks the next sparse layer's experts by that layer's router on x,
+        # in the same evaluation: its prediction rides with this layer's routes.
+        predict = self.predict if indices.size == indices.shape[-1] else None
+        if predict is not None:
+            scores = predict.scores(x)
+            _evaluate(x, indices, scores)
+        else:
+            _evaluate(x, indices)
         routes = np.array(indices, copy=True).astype(np.int32).reshape(-1, indices.shape[-1])
         if routes.size and (routes.min() < 0 or routes.max() >= self.num_experts):
             raise ValueError(f"layer {self.layer}: route out of range [0, {self.num_experts})")
         routes.setflags(write=False)
         if routes.size == 0:
             return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
-        waves = list(self.provider.acquire(self.layer, routes))
+        if predict is not None:
+            prefetch = (predict.layer, predict.predict(scores))
+            del scores
+            waves = list(self.provider.acquire(self.layer, routes, prefetch=prefetch))
+        else:
+            waves = list(self.provider.acquire(self.layer, routes))
         fenced: list[LeasedWave] = []
         try:
             check_waves(waves, routes, self.num_experts, self.layer)

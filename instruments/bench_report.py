@@ -148,6 +148,15 @@ def build_report(
                 r / b["decode_tok_s"] for r, b in zip(resident["decode_tok_s_runs"], base_runs)
             ]
             resident["vs_mlx_lm_round_median"] = median(resident["vs_mlx_lm_rounds"])
+    if streaming and resident:
+        streaming["vs_resident"] = (
+            streaming["decode_tok_s"] / resident["decode_tok_s"] if resident["decode_tok_s"] else 0.0
+        )
+        if not sequential:  # the same round's resident job
+            streaming["vs_resident_rounds"] = [
+                s / r for s, r in zip(streaming["decode_tok_s_runs"], resident["decode_tok_s_runs"])
+            ]
+            streaming["vs_resident_round_median"] = median(streaming["vs_resident_rounds"])
     if streaming and disk:
         streaming["roofline"] = streaming_roofline(
             streaming, resident, disk=disk, disk_runs=disk_runs, base_tok_s=base_tok_s, per_round=not sequential
@@ -185,7 +194,20 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
             head += f" = {s['vs_mlx_lm']:.3f} x mlx-lm"
             if "vs_mlx_lm_rounds" in s:
                 head += f" (per round {_fmt(s['vs_mlx_lm_rounds'])})"
+        elif "vs_resident" in s:
+            head += f" = {s['vs_resident']:.3f} x resident"
+            if "vs_resident_rounds" in s:
+                head += f" (per round {_fmt(s['vs_resident_rounds'])})"
         lines.append(head)
+        prefetch = s.get("prefetch", {})
+        if prefetch.get("issued_per_token"):
+            lines.append(
+                f"  prefetch ({prefetch['mode']}): recall {prefetch['recall']:.3f}, precision "
+                f"{prefetch['precision']:.3f}; per token {prefetch['issued_per_token']:.2f} reads "
+                f"({prefetch['bytes_per_token'] / MB:.1f} MB), {prefetch['useful_per_token']:.2f} useful, "
+                f"{prefetch['wasted_per_token']:.2f} wasted; demand waited on {prefetch['waits_per_token']:.2f} "
+                f"in flight ({prefetch['wait_ms_per_token']:.1f} ms); layers stopped {prefetch['disabled_layers']}"
+            )
         lines.append(
             f"  hit rate {s['hit_rate']:.3f}, misses per job {s['misses_per_job']}, "
             f"{s.get('misses_per_token', 0):.2f} misses = {s.get('miss_bytes_per_token', 0) / MB:.2f} MB per decode "

@@ -36,6 +36,8 @@ class System:
         telemetry: TelemetryLog,
         expert_bytes: int,
         compute_lanes: int | None = None,
+        prefetch: str = "auto",
+        io_staging: str = "auto",
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
@@ -51,7 +53,10 @@ class System:
             io_mode=io_mode,
             kv_reserve_bytes=kv,
             compute_lanes=compute_lanes,
+            prefetch=prefetch,
+            io_staging=io_staging,
         )
+        self.prefetch = prefetch
         self.startup_s = time.perf_counter() - started
         self.jobs: list[dict[str, Any]] = []
         self.rss = 0
@@ -103,6 +108,11 @@ class System:
             "wrap_path": stats.wrap_path,
             "evictions": stats.evictions,
             "footprint_bytes": stats.footprint_bytes,
+            "prefetch": {
+                name.removeprefix("prefetch_"): getattr(stats, name)
+                for name in stats.__slots__
+                if name.startswith("prefetch_")
+            },
             "telemetry": summarize_telemetry(record, expert_bytes=self.expert_bytes),
         }
         self.jobs.append(job)
@@ -130,6 +140,7 @@ class System:
             "wait_p50_ms": median([job["wait_p50_ms"] for job in measured]),
             "wait_p99_ms": median([job["wait_p99_ms"] for job in measured]),
             "bytes_read_per_token": median([job["bytes_read"] / max(job["generated"], 1) for job in measured]),
+            "prefetch": _prefetch_summary(self.prefetch, measured),
             "jobs": [{k: v for k, v in job.items() if k != "tokens"} for job in self.jobs],
         }
         for key in TELEMETRY_KEYS:
@@ -139,3 +150,27 @@ class System:
             result["per_layer"] = tele[len(tele) // 2]["per_layer"]
             result["compute_lanes"] = tele[-1]["compute_lanes"]
         return result
+
+
+def _prefetch_summary(mode: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the measured jobs of what prefetch did, per generated token where it is a count."""
+    if not jobs:
+        return {"mode": mode}
+
+    def per_token(key: str) -> float:
+        return median([job["prefetch"][key] / max(job["generated"], 1) for job in jobs])
+
+    return {
+        "mode": mode,
+        "recall": median([job["prefetch"]["recall"] for job in jobs]),
+        "precision": median([job["prefetch"]["precision"] for job in jobs]),
+        "predicted_per_token": per_token("predicted"),
+        "issued_per_token": per_token("issued"),
+        "useful_per_token": per_token("useful"),
+        "wasted_per_token": per_token("wasted"),
+        "bytes_per_token": per_token("bytes"),
+        "wasted_bytes_per_token": per_token("wasted_bytes"),
+        "waits_per_token": per_token("waits"),
+        "wait_ms_per_token": per_token("wait_ms"),
+        "disabled_layers": max(job["prefetch"]["disabled_layers"] for job in jobs),
+    }

@@ -131,6 +131,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument(
         "--compute-lanes", type=int, default=None, help="the GPU worker's --compute-lanes (default: its auto choice)"
     )
+    run.add_argument(
+        "--prefetch", choices=("auto", "on", "off"), default="auto", help="the systems' next-layer prefetch"
+    )
+    run.add_argument(
+        "--io-staging", choices=("auto", "on", "off"), default="auto", help="the I/O workers' huge-page staging"
+    )
     run.add_argument("--disk-experts", type=int, default=64, help="experts read per disk measurement")
     run.add_argument("--skip", default="", help="comma-separated parts to skip: resident,streaming")
     run.add_argument(
@@ -212,6 +218,8 @@ class Bench:
             telemetry=self.telemetry,
             expert_bytes=self.expert_bytes,
             compute_lanes=self.args.compute_lanes,
+            prefetch=self.args.prefetch,
+            io_staging=self.args.io_staging,
         )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the

@@ -85,6 +85,13 @@ def format_stats(done: Done) -> str:
         f"decode {stats.decode_tok_s:.1f} tok/s",
         f"hit rate {stats.hit_rate:.1%} ({stats.hits} hits, {stats.misses} misses)",
         f"read {_mib(stats.bytes_read)}",
+    ]
+    if stats.prefetch_issued:
+        parts.append(
+            f"prefetch {_mib(stats.prefetch_bytes)}: recall {stats.prefetch_recall:.0%}, "
+            f"precision {stats.prefetch_precision:.0%}"
+        )
+    parts += [
         f"footprint {_mib(stats.footprint_bytes)} (peak {_mib(stats.peak_footprint_bytes)})"
         f" / budget {_mib(stats.budget_bytes)}",
     ]

@@ -137,6 +137,7 @@ def io_worker_args_for(run: RunConfig, index: int) -> IOWorkerArgs:
         handshake_timeout=run.start_timeout_s,
         log_level=run.log_level,
         test_read_delay_ms=run.test_io_read_delay_ms or 0.0,
+        staging=run.io_staging,  # type: ignore[arg-type]
     )
 
 

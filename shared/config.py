@@ -26,6 +26,9 @@ CONFIG_VERSION = 1
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 IO_MODES = ("auto", "direct", "dontneed", "buffered")
+# Next-layer prefetch (coordinator/prefetch.py): auto stops a layer whose prefetches do not pay.
+PREFETCH_MODES = ("auto", "on", "off")
+STAGING_MODES = ("auto", "on", "off")  # native.staging.STAGING_REQUESTS
 TEST_HOOKS = ("scribble_fenced", "verify_fenced")
 # The GPU worker's --compute-lanes bound (MLX streams for a decode wave's parts; gpuworker.lanes).
 MAX_COMPUTE_LANES = 16
@@ -95,6 +98,9 @@ class RunConfig:
     # The GPU worker's --compute-lanes (MLX streams for a decode wave's parts); None: its auto choice.
     compute_lanes: int | None = None
     test_io_read_delay_ms: float | None = None  # TEST KNOB: every I/O worker holds each load this long
+    prefetch: str = "auto"  # next-layer prefetch: auto | on | off
+    io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
+    prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
 
 
 def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
@@ -211,6 +217,10 @@ def check_config(config: RunConfig) -> RunConfig:
             raise ConfigError(f"{name} must be a positive number, got {getattr(config, name)!r}")
     if config.queue_limit < 1:
         raise ConfigError(f"queue_limit must be >= 1, got {config.queue_limit}")
+    if config.io_staging not in STAGING_MODES:
+        raise ConfigError(f"io_staging must be one of {STAGING_MODES}, got {config.io_staging!r}")
+    if config.prefetch not in PREFETCH_MODES:
+        raise ConfigError(f"prefetch must be one of {PREFETCH_MODES}, got {config.prefetch!r}")
     if config.compute_lanes is not None:
         try:
             check_compute_lanes(config.compute_lanes)
@@ -248,6 +258,7 @@ __all__ = [
     "CONFIG_VERSION",
     "IO_MODES",
     "MANIFEST_FILE",
+    "PREFETCH_MODES",
     "TEST_HOOKS",
     "ConfigError",
     "Endpoints",

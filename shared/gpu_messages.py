@@ -6,8 +6,12 @@ Startup: worker `gpu_hello` → coordinator `gpu_welcome` (the plan, the slab)
 Lease protocol, per sparse layer of a forward pass:
 
     worker `routes` (every row × top-k selection, before dedup; optionally the
-           fence of the previous layer's last wave, which saves a round trip)
+           fence of the previous layer's last wave, which saves a round trip,
+           and the experts predicted for the next sparse layer: a prefetch
+           the coordinator starts once this layer's lease is answered)
     coord  `lease`  (wave 0 of this layer visit: expert → slot, generation)
+    worker `prefetch` (at most once per decode step, before the first layer's
+           `routes`: the experts the first sparse layer is predicted to pick)
     worker computes, `mx.eval`s the outputs, drops every array reading the
            slots, and only then: `fence` (lease id, next=True when it wants
            the visit's next wave)
@@ -31,6 +35,7 @@ from shared.protocol import BAD_FIELD, ErrorReply, ProtocolError, make_registry,
 MAX_ROUTE_ROWS = 1 << 16  # a prefill chunk's rows
 MAX_TOP_K = 64
 MAX_WAVE_EXPERTS = 4096
+MAX_PREFETCH = 256  # predicted experts per routes message
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -98,6 +103,7 @@ class GpuWelcome:
     slot_bytes: int
     working_slots: int
     block_size: int  # the store's alignment; layouts depend on it
+    prefetch: int = 0  # experts to predict per decode step for the next sparse layer (0: no prediction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +126,10 @@ class Routes:
     layer: int
     routes: RouteMatrix
     fence: int | None = None  # lease id of the previous layer's last wave, now done
+    # Experts predicted for sparse layer `prefetch_layer` (the next one), most likely first:
+    # the coordinator may load them while this layer computes. No reply is owed for them.
+    prefetch_layer: int | None = None
+    prefetch: tuple[int, ...] = wire(default=(), max_items=MAX_PREFETCH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +154,16 @@ class Fence:
     OP: ClassVar[str] = "fence"
     lease_id: int
     next: bool = False  # True: lease the same layer visit's next wave
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Experts predicted for a sparse layer before any `routes` could carry them (the first
+    sparse layer, predicted from the token's embedding). No reply is owed."""
+
+    OP: ClassVar[str] = "prefetch"
+    layer: int
+    experts: tuple[int, ...] = wire(max_items=MAX_PREFETCH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +235,6 @@ GPU_WORKER_ACCEPTS = make_registry(GpuWelcome, Lease, Fenced, Job, JobCancel, Er
 """Ops the GPU worker accepts from the coordinator."""
 
 COORDINATOR_ACCEPTS_FROM_GPU = make_registry(
-    GpuHello, GpuReady, GpuGoodbye, Routes, Fence, Token, JobDone, JobError, ErrorReply
+    GpuHello, GpuReady, GpuGoodbye, Routes, Fence, Prefetch, Token, JobDone, JobError, ErrorReply
 )
 """Ops the coordinator accepts from the GPU worker."""

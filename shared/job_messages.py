@@ -108,6 +108,18 @@ class JobStats:
     budget_bytes: int = 0
     io_fallback_ops: int = 0  # reads served buffered because O_DIRECT was refused
     overhead_bytes: int = 0  # the processes' own memory at start, not counted in footprint_bytes
+    # Next-layer prefetch (coordinator/prefetch.py): reads of predicted experts, apart from bytes_read.
+    prefetch_predicted: int = 0  # experts the GPU worker predicted
+    prefetch_issued: int = 0  # ... not resident, so read
+    prefetch_useful: int = 0  # ... then leased by demand before eviction
+    prefetch_wasted: int = 0  # ... evicted, cancelled or failed first
+    prefetch_bytes: int = 0  # bytes the prefetch reads issued
+    prefetch_wasted_bytes: int = 0
+    prefetch_recall: float = 0.0  # useful / (useful + demand misses): the misses prefetch avoided or shortened
+    prefetch_precision: float = 0.0  # useful / issued
+    prefetch_waits: int = 0  # demand leases that waited for a prefetch read in flight
+    prefetch_wait_ms: float = 0.0
+    prefetch_disabled_layers: int = 0  # layers whose prefetch stopped itself (auto)
 
 
 @dataclass(frozen=True, slots=True)

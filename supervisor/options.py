@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.config import check_compute_lanes, check_jobs_endpoint
+from shared.config import PREFETCH_MODES, check_compute_lanes, check_jobs_endpoint
 from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, parse_size
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -43,6 +43,7 @@ class SupervisorOptions:
     start_timeout: float = 120.0
     restart: RestartPolicy = RestartPolicy()
     compute_lanes: int | None = None  # None: the GPU worker's auto choice
+    prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     test_io_read_delay_ms: float = 0.0
     test_hooks: tuple[str, ...] = ()
 
@@ -126,6 +127,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         metavar="N|auto",
         help="MLX streams a decode step's experts compute on (auto: 2 on a CPU with 2+ cores, else 1)",
     )
+    add(
+        "--prefetch",
+        choices=PREFETCH_MODES,
+        default="auto",
+        help="load the experts the next layer's router predicts while a layer computes "
+        "(auto: a layer whose prefetches are not used stops)",
+    )
     add("--run-dir", default=None, metavar="DIR", help="default: a fresh private directory")
     add(
         "--endpoint",
@@ -159,6 +167,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         start_timeout=ns.start_timeout,
         restart=RestartPolicy(max_restarts=ns.max_restarts, window_s=ns.restart_window),
         compute_lanes=ns.compute_lanes,
+        prefetch=ns.prefetch,
         test_io_read_delay_ms=ns.test_io_read_delay_ms,
         test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook),
     )

@@ -51,6 +51,7 @@ from shared.config import (
     CONFIG_FILE,
     IO_MODES,
     MANIFEST_FILE,
+    PREFETCH_MODES,
     TEST_HOOKS,
     Endpoints,
     RunConfig,
@@ -306,6 +307,8 @@ def start_system(
     jobs_endpoint: str | None = None,
     io_read_delay_ms: float = 0.0,
     compute_lanes: int | None = None,
+    prefetch: str = "auto",
+    io_staging: str = "auto",
     run_config: Mapping[str, Any] | None = None,
     cancel: Callable[[], bool] | None = None,
 ) -> RunningSystem:
@@ -316,9 +319,11 @@ def start_system(
     (`shared.commands.gpu_worker_argv`, then `--death-fd N`). `jobs_endpoint` replaces
     `ipc://RUN_DIR/jobs` (see `check_jobs_endpoint`). `io_read_delay_ms` slows every I/O worker's
     loads (tests). `compute_lanes`: the GPU worker's `--compute-lanes` (None: its auto choice,
-    `gpuworker.lanes.resolve_lanes`). `run_config`: more `RunConfig` fields (the coordinator's
-    policy knobs, e.g. `queue_limit`, `usage_flush_s`). `cancel` is polled while waiting for
-    readiness: True stops the launch (`LaunchCancelled`), with everything it created removed.
+    `gpuworker.lanes.resolve_lanes`). `prefetch`: next-layer prefetch, auto | on | off
+    (`coordinator.prefetch`). `io_staging`: the I/O workers' `--staging`. `run_config`: more
+    `RunConfig` fields (the coordinator's policy knobs, e.g. `queue_limit`, `usage_flush_s`).
+    `cancel` is polled while waiting for readiness: True stops the launch (`LaunchCancelled`), with
+    everything it created removed.
     """
     if io_mode not in IO_MODES:
         raise ValueError(f"io_mode must be one of {IO_MODES}, got {io_mode!r}")
@@ -329,6 +334,8 @@ def start_system(
         raise ValueError(f"io_workers must be a positive integer, got {io_workers!r}")
     if compute_lanes is not None:
         check_compute_lanes(compute_lanes)
+    if prefetch not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
     endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint)
     store = ExpertStore.open(model_dir, block_size=block_size)
     usage = os.path.abspath(os.fspath(usage_file)) if usage_file is not None else None
@@ -358,6 +365,8 @@ def start_system(
         log_level=log_level,
         start_timeout_s=float(start_timeout),
         compute_lanes=compute_lanes,
+        prefetch=prefetch,
+        io_staging=io_staging,
         test_io_read_delay_ms=float(io_read_delay_ms) if io_read_delay_ms else None,
         **(run_config or {}),
     )

@@ -1,0 +1,174 @@
+"""Prefetch bookkeeping: is a layer's prediction worth its reads, and what did prefetch do for a job.
+
+The GPU worker predicts the next sparse layer's experts with that layer's own
+router (`gpuworker.prediction`) and sends them with a layer's `routes`; the
+residency manager loads the predicted experts that are not resident into the
+layer's reclaimable slots (`coordinator.residency_prefetch`). This book counts
+what became of each prefetched expert: *useful* when a demand lease took it
+before it was evicted (waiting for it if its read was still in flight),
+*wasted* when it was evicted, cancelled or failed first.
+
+Adaptive (`auto`): a wasted read costs the disk what a demand miss costs, and
+may delay the demand reads behind it; a useful one saves a demand read. A
+layer whose prefetches, over the last `window` of them, were used less often
+than `break_even` stops being prefetched, and the log says so. `on` never
+stops; `off` never predicts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.config import PREFETCH_MODES
+
+logger = logging.getLogger(__name__)
+
+PrefetchMode = Literal["auto", "on", "off"]
+WINDOW = 64  # prefetched experts per layer the usefulness is judged over
+BREAK_EVEN = 0.25  # below this share of useful prefetches a layer's prediction costs more than it saves
+
+
+def prefetch_count(mode: str, top_k: int, margin: int | None) -> int:
+    """How many experts the GPU worker predicts per decode step: top-k plus a margin (0 when off).
+
+    The default margin is a quarter of top-k, rounded up: a few more reads for the experts
+    ranked just below the cut, which the next layer often picks."""
+    if mode not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {mode!r}")
+    if mode == "off":
+        return 0
+    return top_k + (-(-top_k // 4) if margin is None else margin)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchTelemetry:
+    """What prefetch did over a period (a job, or the run)."""
+
+    predicted: int = 0  # experts the GPU worker predicted
+    issued: int = 0  # ... of them not resident, read into a slot
+    useful: int = 0  # issued and then leased by demand before eviction
+    wasted: int = 0  # issued and evicted, cancelled or failed before any demand
+    issued_bytes: int = 0
+    wasted_bytes: int = 0
+    waits: int = 0  # demand leases that waited for a prefetch still reading
+    wait_ms: float = 0.0  # ... and how long they waited in all
+    disabled_layers: tuple[int, ...] = ()  # layers whose prefetch stopped itself (so far in the run)
+
+    @property
+    def precision(self) -> float:
+        return self.useful / self.issued if self.issued else 0.0
+
+    def recall(self, demand_misses: int) -> float:
+        """The share of would-be demand misses a prefetch avoided or shortened."""
+        avoided = self.useful + demand_misses
+        return self.useful / avoided if avoided else 0.0
+
+    def __add__(self, other: PrefetchTelemetry) -> PrefetchTelemetry:
+        """Two periods' counts together (the later one's disabled layers)."""
+        return PrefetchTelemetry(
+            predicted=self.predicted + other.predicted,
+            issued=self.issued + other.issued,
+            useful=self.useful + other.useful,
+            wasted=self.wasted + other.wasted,
+            issued_bytes=self.issued_bytes + other.issued_bytes,
+            wasted_bytes=self.wasted_bytes + other.wasted_bytes,
+            waits=self.waits + other.waits,
+            wait_ms=self.wait_ms + other.wait_ms,
+            disabled_layers=other.disabled_layers,
+        )
+
+
+@dataclass(slots=True)
+class _Counts:
+    predicted: int = 0
+    issued: int = 0
+    useful: int = 0
+    wasted: int = 0
+    issued_bytes: int = 0
+    wasted_bytes: int = 0
+    waits: int = 0
+    wait_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class PrefetchBook:
+    """Per-layer usefulness (adaptive mode) and the counters of the current period."""
+
+    mode: PrefetchMode = "auto"
+    window: int = WINDOW
+    break_even: float = BREAK_EVEN
+    _outcomes: dict[int, deque[bool]] = field(default_factory=dict)
+    _disabled: set[int] = field(default_factory=set)
+    _counts: _Counts = field(default_factory=_Counts)
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {self.mode!r}")
+
+    def enabled(self, layer: int) -> bool:
+        return self.mode != "off" and layer not in self._disabled
+
+    def predicted(self, count: int) -> None:
+        self._counts.predicted += count
+
+    def issued(self, nbytes: int) -> None:
+        self._counts.issued += 1
+        self._counts.issued_bytes += nbytes
+
+    def useful(self, layer: int, waited_ms: float | None) -> None:
+        self._counts.useful += 1
+        if waited_ms is not None:
+            self._counts.waits += 1
+            self._counts.wait_ms += waited_ms
+        self._judge(layer, True)
+
+    def wasted(self, layer: int, nbytes: int) -> None:
+        self._counts.wasted += 1
+        self._counts.wasted_bytes += nbytes
+        self._judge(layer, False)
+
+    def drain(self) -> PrefetchTelemetry:
+        """The counters since the last drain (they restart at zero); the disabled layers so far."""
+        counts, self._counts = self._counts, _Counts()
+        return PrefetchTelemetry(
+            predicted=counts.predicted,
+            issued=counts.issued,
+            useful=counts.useful,
+            wasted=counts.wasted,
+            issued_bytes=counts.issued_bytes,
+            wasted_bytes=counts.wasted_bytes,
+            waits=counts.waits,
+            wait_ms=counts.wait_ms,
+            disabled_layers=tuple(sorted(self._disabled)),
+        )
+
+    def _judge(self, layer: int, useful: bool) -> None:
+        outcomes = self._outcomes.setdefault(layer, deque(maxlen=self.window))
+        outcomes.append(useful)
+        if self.mode != "auto" or layer in self._disabled or len(outcomes) < self.window:
+            return
+        share = sum(outcomes) / len(outcomes)
+        if share < self.break_even:
+            self._disabled.add(layer)
+            logger.warning(
+                "prefetch for layer %d stopped: %d of its last %d prefetched experts were used before eviction "
+                "(%.0f%%, below the break-even %.0f%%); --prefetch on keeps it",
+                layer,
+                sum(outcomes),
+                len(outcomes),
+                100 * share,
+                100 * self.break_even,
+            )
+
+
+__all__ = [
+    "BREAK_EVEN",
+    "WINDOW",
+    "PrefetchBook",
+    "PrefetchMode",
+    "PrefetchTelemetry",
+    "prefetch_count",
+]

@@ -1,0 +1,146 @@
+"""The residency manager's prefetch path: predicted experts read into a layer's reclaimable slots.
+
+`PrefetchingCore` is `coordinator.residency_core.ResidencyCore` plus:
+
+- `prefetch(layer, experts)`: each predicted expert that is neither resident
+  nor already being read goes into the layer's victim slot (the same choice a
+  promoted miss makes: idle first, then the replacement policy's victim),
+  read as its own classification (`prefetch`), and is in the lookup at once:
+  a demand lease that finds it still reading waits for that read instead of
+  issuing a second one (`ResidencyCore._await_in_flight`). It never touches a
+  leased or loading slot, a pinned slot, the working bank, an expert of the
+  same prediction, or a layer the active wave belongs to: the invariants of
+  the lease path hold as they are.
+- `cancel_prefetch(layer, keep)`: when a layer is visited, its reads still
+  in flight for experts the visit does not route to are cancelled.
+
+What became of each prefetched expert is counted in a `PrefetchBook`
+(`coordinator.prefetch`), which may stop a layer whose prefetches do not pay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from coordinator.prefetch import PrefetchBook
+from coordinator.residency_core import ResidencyCore
+from coordinator.residency_types import IOCounters, ResidencyError
+from coordinator.slot_table import SlotRecord
+from shared.checks import require_int
+
+logger = logging.getLogger(__name__)
+
+
+class PrefetchingCore(ResidencyCore):
+    """The lease path with prefetched experts; a `PrefetchBook` judges and counts them."""
+
+    def __init__(self, *, prefetch: PrefetchBook | None = None, **core: object) -> None:
+        super().__init__(**core)  # type: ignore[arg-type]
+        self.prefetch_book = prefetch or PrefetchBook(mode="off")
+        self._prefetch_io = IOCounters()  # reads the prefetch path issued (not demand, not policy)
+        self._prefetch_bytes: dict[int, int] = {}  # slot -> bytes its prefetch read
+        self._reads: set[asyncio.Task[None]] = set()
+        self._table.on_prefetch_lost = self._prefetch_lost
+
+    # -- the prefetch path -------------------------------------------------
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Read the predicted `experts` of `layer` that are not resident; how many reads were issued."""
+        layer = require_int(layer, "prefetch layer")
+        if layer not in self._layer_slots:
+            raise ValueError(f"prefetch layer {layer} is not a sparse residency layer")
+        ids = [require_int(expert, "predicted expert id") for expert in experts]
+        self.prefetch_book.predicted(len(ids))
+        if not self.prefetch_book.enabled(layer) or (self._active and layer == self._active_layer):
+            return 0
+        # Resident predictions stay: none of this prediction evicts another of it.
+        protected = {self._lookup[(layer, expert)] for expert in ids if (layer, expert) in self._lookup}
+        issued = 0
+        for expert in ids:
+            if (layer, expert) in self._lookup:
+                continue
+            victim = self._table.layer_victim(layer, protected)
+            if victim is None:
+                break
+            if not self._read_into(victim, layer, expert):
+                break
+            protected.add(victim.id)
+            issued += 1
+        return issued
+
+    def cancel_prefetch(self, layer: int, keep: Sequence[int]) -> int:
+        """Cancel `layer`'s prefetch reads still in flight for experts not in `keep`; how many."""
+        wanted = set(keep)
+        cancelled = 0
+        for slot in self._layer_slots.get(layer, ()):
+            record = self._slots[slot]
+            if record.phase == "loading" and record.prefetched and record.expert_id not in wanted:
+                try:
+                    self._backend.cancel(record.id, record.generation)
+                    cancelled += 1
+                except Exception as error:  # the read then simply completes
+                    logger.warning("cancel of the prefetch in slot %d failed: %s", record.id, error)
+        return cancelled
+
+    def drain_prefetch_io(self):
+        """Return and reset the prefetch path's read telemetry."""
+        telemetry, self._prefetch_io = self._prefetch_io.drain(), IOCounters()
+        return telemetry
+
+    async def settle_prefetch(self) -> None:
+        """Wait until no prefetch read is in flight (tests, shutdown)."""
+        while self._reads:
+            await asyncio.gather(*list(self._reads), return_exceptions=True)
+
+    # -- internals ---------------------------------------------------------
+
+    def _read_into(self, record: SlotRecord, layer: int, expert: int) -> bool:
+        location = self._locate(layer, expert)
+        if location.layer != layer or location.expert_id != expert:
+            raise ResidencyError(f"expert locator returned {location.layer}:{location.expert_id} for {layer}:{expert}")
+        if record.phase == "ready":
+            self._table.forget(record, keep_layer=True)
+            self._evictions += 1
+        generation = self._generation + 1
+        try:
+            self._backend.submit_segments(record.id, generation, location.segments)
+        except Exception as error:  # no worker can take it now: a prefetch is advisory
+            logger.info("prefetch of %d:%d not issued: %s", layer, expert, error)
+            return False
+        self._generation = generation
+        record.generation, record.expert_id, record.phase = generation, expert, "loading"
+        record.prefetched = True
+        self._clock += 1
+        record.last_use = self._clock  # as recent as a use: the next promotion does not evict it at once
+        self._lookup[(layer, expert)] = record.id
+        nbytes = sum(segment.length for segment in location.segments)
+        self._prefetch_bytes[record.id] = nbytes
+        self._prefetch_io.loads += 1
+        self._prefetch_io.read_operations += len(location.segments)
+        self._prefetch_io.read_bytes += nbytes
+        self.prefetch_book.issued(nbytes)
+        task = asyncio.get_running_loop().create_task(self._landed(record, generation))
+        self._reads.add(task)
+        task.add_done_callback(self._reads.discard)
+        return True
+
+    async def _landed(self, record: SlotRecord, generation: int) -> None:
+        try:
+            await self._backend.wait(record.id, generation)
+            outcome: object = None
+        except Exception as error:
+            outcome = error
+        self._settle_load(record, generation, outcome)
+
+    def _prefetch_used(self, record: SlotRecord, waited_ms: float | None) -> None:
+        self._prefetch_bytes.pop(record.id, None)
+        self.prefetch_book.useful(record.layer if record.layer is not None else -1, waited_ms)
+
+    def _prefetch_lost(self, record: SlotRecord) -> None:
+        nbytes = self._prefetch_bytes.pop(record.id, 0)
+        self.prefetch_book.wasted(record.layer if record.layer is not None else -1, nbytes)
+
+
+__all__ = ["PrefetchingCore"]

@@ -1,0 +1,159 @@
+"""Next-layer prediction on the GPU worker (gpuworker/prediction.py, wired by gpuworker/model.py).
+
+The family's own router is found in every family's MoE block and ranks the
+experts that block then picks; a streamed model given a predictor count ranks
+the next sparse layer's experts in decode steps only, hands them to its
+provider with the layer's routes, and computes exactly what it computed
+without them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import load_model
+
+from gpuworker.expert_provider import LeasedWave
+from gpuworker.model import load_streamed_model, streamed_switches
+from gpuworker.prediction import NextLayerRouter, next_layer_routers, router_scores
+from tests.helpers.models import FAMILIES, write_tiny_model
+from tests.helpers.oracle import generate_steps
+
+PROMPT = list(b"Predict the next layer.")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = write_tiny_model(tmp_path_factory.mktemp(family), family=family)
+        return made[family]
+
+    return get
+
+
+class _Capture(nn.Module):
+    """Stands in for a switch: records what its block routed and passes through."""
+
+    def __init__(self, inner: nn.Module, seen: list) -> None:
+        super().__init__()
+        self.inner, self.seen = inner, seen
+
+    def __call__(self, x, indices):
+        self.seen.append((x, indices))
+        return self.inner(x, indices)
+
+
+def _blocks(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (SwitchGLU, SwitchMLP)):
+            *path, key = name.split(".")
+            parent = model
+            for part in path:
+                parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+            layer = int(next(part for part in reversed(path) if part.isdigit()))
+            found[layer] = (parent, key)
+    return found
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_familys_own_router_ranks_the_experts_its_block_picks(family, models):
+    model, config = load_model(models(family))
+    blocks = _blocks(model)
+    seen: dict[int, list] = {}
+    experts = {}
+    for layer, (block, key) in blocks.items():
+        switch = block[key]
+        experts[layer] = switch.num_experts if hasattr(switch, "num_experts") else None
+        seen[layer] = []
+        block[key] = _Capture(switch, seen[layer])
+    model(mx.array([PROMPT]))
+    for layer, (block, _) in blocks.items():
+        (x, indices), *_ = seen[layer]
+        picked = np.array(indices).reshape(-1, indices.shape[-1])
+        num_experts = int(picked.max()) + 1 if experts[layer] is None else experts[layer]
+        scores = router_scores(
+            block,
+            config.get("num_experts")
+            or config.get("n_routed_experts")
+            or config.get("num_local_experts")
+            or num_experts,
+        )
+        assert scores is not None, f"{family} layer {layer}: no router found"
+        ranked = np.argsort(-np.array(scores(x).astype(mx.float32)).reshape(picked.shape[0], -1), axis=-1)
+        top = ranked[:, : picked.shape[-1]]
+        for row in range(picked.shape[0]):
+            assert set(top[row].tolist()) == set(picked[row].tolist()), (family, layer, row)
+
+
+def test_a_next_layer_router_predicts_best_first_and_unknown_routers_are_skipped():
+    linear = nn.Linear(4, 6, bias=False)
+    router = NextLayerRouter(layer=3, scores=linear, count=3)
+    scores = mx.array([[0.1, 0.9, -1.0, 0.5, 0.8, 0.0]])
+    assert router.predict(scores) == (1, 4, 3)
+    assert NextLayerRouter(layer=3, scores=linear, count=9).predict(scores) == (1, 4, 3, 0, 5, 2)
+
+    class Block(nn.Module):
+        def __init__(self, router: nn.Module | None) -> None:
+            super().__init__()
+            if router is not None:
+                self.gate = router
+
+    routers = next_layer_routers(
+        {0: Block(linear), 2: Block(nn.Linear(4, 6)), 5: Block(None), 7: Block(nn.Linear(4, 6))},
+        {0: 6, 2: 6, 5: 6, 7: 6},
+        count=8,
+    )
+    assert {layer: (r.layer, r.count) for layer, r in routers.items()} == {0: (2, 6), 5: (7, 6)}  # 2 -> 5 unknown
+    assert router_scores(Block(nn.Linear(4, 5)), 6) is None  # a Linear of another size is not the router
+
+
+class _Provider:
+    """Serves every expert from memory in one wave and records what acquire was given."""
+
+    def __init__(self, experts: dict[int, dict[str, mx.array]]) -> None:
+        self.experts, self.calls = experts, []
+
+    def acquire(self, layer, routes, *, prefetch=None):
+        self.calls.append((layer, routes.shape[0], prefetch))
+        ids = list(dict.fromkeys(routes.reshape(-1).tolist()))
+        tensors = [{name: array[e] for name, array in self.experts[layer].items()} for e in ids]
+        return [LeasedWave(ids, tensors, lease=len(self.calls))]
+
+    def fence(self, wave) -> None:
+        pass
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_predicting_streamed_model_computes_the_same_and_predicts_in_decode_only(family, models):
+    path = models(family)
+    reference, _ = load_model(path)
+    experts = {layer: dict(tree_flatten(block[key].parameters())) for layer, (block, key) in _blocks(reference).items()}
+    plain, predicting = _Provider(experts), _Provider(experts)
+    model, info = load_streamed_model(path, provider=plain)
+    model_p, _ = load_streamed_model(path, provider=predicting, predict=5)
+    switches = streamed_switches(model_p)
+    assert [s.predict.layer if s.predict else None for s in switches] == [*info.sparse_layers[1:], None]
+    want = generate_steps(model, PROMPT, 6)
+    got = generate_steps(model_p, PROMPT, 6)
+    assert want.tokens == got.tokens
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want.logprobs, got.logprobs))
+    prefill = [call for call in predicting.calls if call[1] > 1]
+    decode = [call for call in predicting.calls if call[1] == 1]
+    assert prefill and all(call[2] is None for call in prefill)
+    last = info.sparse_layers[-1]
+    for layer, _, prefetch in decode:
+        if layer == last:
+            assert prefetch is None
+        else:
+            following = info.sparse_layers[info.sparse_layers.index(layer) + 1]
+            assert prefetch[0] == following and len(prefetch[1]) == 5 and len(set(prefetch[1])) == 5

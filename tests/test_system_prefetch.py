@@ -1,0 +1,64 @@
+"""Next-layer prefetch through the whole system: token-exact against mlx-lm with the fence checks on.
+
+Every family, a budget with a few slots per layer (so predictions have
+somewhere to go and evict), prefetch forced on: the GPU worker predicts with
+the family's own router, the coordinator reads the predictions while layers
+compute, demand waits for reads in flight; the tokens stay mlx-lm's and the
+scribble/verify hooks see no slot touched under a lease. The job's stats say
+what prefetch did.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from shared.store import ExpertStore
+from tests.helpers.models import FAMILIES, write_tiny_model
+from tests.helpers.oracle import oracle
+from tests.helpers.system import PROMPT, TEST_KV_RESERVE, hook_counts, run_job, start_test_system, wait_for
+
+GENERATED = 24
+HOOKS = ("scribble_fenced", "verify_fenced")
+
+
+def _budget(store: ExpertStore) -> int:
+    """A working bank of top-k and a quarter of each layer's experts (at least 2) resident."""
+    per_layer = max(2, store.experts_per_layer // 4)
+    slots = store.top_k + len(store.sparse_layers) * per_layer
+    return store.dense_bytes + TEST_KV_RESERVE + slots * store.slot_bytes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefetch_on_is_token_exact_and_accounted(family, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    path = write_tiny_model(tmp_path / family, family=family)
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    with start_test_system(path, memory_budget=_budget(store), prefetch="on", test_hooks=HOOKS) as system:
+        first = run_job(system, max_tokens=GENERATED, return_logprobs=False)
+        second = run_job(system, max_tokens=GENERATED, return_logprobs=False)
+        hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
+    for result in (first, second):
+        assert result.tokens == want.tokens[: len(result.tokens)] and len(result.tokens) == GENERATED
+    assert hooks["violations"] == 0 and hooks["verified"] > 0
+    for stats in (first.done.stats, second.done.stats):
+        # Every decode step predicts every sparse layer but the first: top-k plus a margin each.
+        decode_steps = GENERATED - 1
+        assert stats.prefetch_predicted >= decode_steps * (len(store.sparse_layers) - 1) * store.top_k
+        assert stats.prefetch_issued > 0 and stats.prefetch_bytes > 0
+        assert stats.prefetch_useful + stats.prefetch_wasted <= stats.prefetch_issued
+        assert 0.0 <= stats.prefetch_precision <= 1.0 and 0.0 <= stats.prefetch_recall <= 1.0
+        assert stats.prefetch_disabled_layers == 0  # on: never stops
+
+
+def test_prefetch_off_predicts_and_reads_nothing(tmp_path):
+    path = write_tiny_model(tmp_path / "m", family=FAMILIES[0])
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    with start_test_system(path, memory_budget=_budget(store), prefetch="off") as system:
+        result = run_job(system, max_tokens=GENERATED, return_logprobs=False)
+    assert result.tokens == want.tokens[: len(result.tokens)]
+    stats = result.done.stats
+    assert (stats.prefetch_predicted, stats.prefetch_issued, stats.prefetch_bytes) == (0, 0, 0)
