@@ -121,6 +121,7 @@ class Coordinator:
             locate=store.locate,
             pinned=[tuple(pair) for pair in config.pinned],
             usage=ledger,
+            replacement=config.replacement,
         )
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
         self.safepoints = SafePoints(

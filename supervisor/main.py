@@ -136,6 +136,7 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 jobs_endpoint=options.endpoint,
                 io_read_delay_ms=options.test_io_read_delay_ms,
                 compute_lanes=options.compute_lanes,
+                replacement=options.replacement,
                 cancel=lambda: life.stop_requested,
             )
             try:

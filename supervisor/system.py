@@ -49,6 +49,7 @@ from shared.commands import (
 )
 from shared.config import (
     CONFIG_FILE,
+    DEFAULT_REPLACEMENT,
     IO_MODES,
     MANIFEST_FILE,
     TEST_HOOKS,
@@ -57,6 +58,7 @@ from shared.config import (
     SlabSpec,
     check_compute_lanes,
     check_jobs_endpoint,
+    parse_replacement,
     run_endpoints,
     write_config,
 )
@@ -306,6 +308,7 @@ def start_system(
     jobs_endpoint: str | None = None,
     io_read_delay_ms: float = 0.0,
     compute_lanes: int | None = None,
+    replacement: str = DEFAULT_REPLACEMENT,
     run_config: Mapping[str, Any] | None = None,
     cancel: Callable[[], bool] | None = None,
 ) -> RunningSystem:
@@ -316,7 +319,8 @@ def start_system(
     (`shared.commands.gpu_worker_argv`, then `--death-fd N`). `jobs_endpoint` replaces
     `ipc://RUN_DIR/jobs` (see `check_jobs_endpoint`). `io_read_delay_ms` slows every I/O worker's
     loads (tests). `compute_lanes`: the GPU worker's `--compute-lanes` (None: its auto choice,
-    `gpuworker.lanes.resolve_lanes`). `run_config`: more `RunConfig` fields (the coordinator's
+    `gpuworker.lanes.resolve_lanes`). `replacement`: the residency manager's replacement policy
+    (`shared.config.parse_replacement`). `run_config`: more `RunConfig` fields (the coordinator's
     policy knobs, e.g. `queue_limit`, `usage_flush_s`). `cancel` is polled while waiting for
     readiness: True stops the launch (`LaunchCancelled`), with everything it created removed.
     """
@@ -329,6 +333,7 @@ def start_system(
         raise ValueError(f"io_workers must be a positive integer, got {io_workers!r}")
     if compute_lanes is not None:
         check_compute_lanes(compute_lanes)
+    parse_replacement(replacement)
     endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint)
     store = ExpertStore.open(model_dir, block_size=block_size)
     usage = os.path.abspath(os.fspath(usage_file)) if usage_file is not None else None
@@ -358,6 +363,7 @@ def start_system(
         log_level=log_level,
         start_timeout_s=float(start_timeout),
         compute_lanes=compute_lanes,
+        replacement=replacement,
         test_io_read_delay_ms=float(io_read_delay_ms) if io_read_delay_ms else None,
         **(run_config or {}),
     )
