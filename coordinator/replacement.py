@@ -21,7 +21,8 @@ Why `lrfu`, and why it admits every miss: on real routing (DeepSeek-V2-Lite, `sc
 an expert used at the layer's previous visit is the likeliest to be used at the next (the
 consecutive-token overlap), so misses are always kept; among the older residents, how often an
 expert was used lately predicts its next use much better than when it was last used. Declining
-misses whose score is below the victim's (TinyLFU-style admission) lost 1 to 13 points there.
+misses whose score is below the victim's (TinyLFU-style admission) lost 3 to 13 points there
+at 8 slots per layer, in a simulation of that rule for half-lives from 8 to unbounded.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import Protocol
 from coordinator.slot_table import SlotRecord, SlotTable, least_recent
 from shared.config import parse_replacement
 
-# The LRFU half-life in visits of a layer (decode: tokens). Hit rates on real routing are flat
-# within a point from 8 to 64 (the measured sensitivity is in the closing note of issue 13).
+# The LRFU half-life in visits of a layer (decode: tokens). On real routing (DeepSeek-V2-Lite, no
+# pins) the hit rate moves by at most 0.4 points from 4 to 64: 34.3 / 34.5 / 34.6 / 34.5 / 34.2%
+# at 8 slots per layer, 50.7 / 51.2 / 51.5 / 51.3 / 50.8% at 16 (LRU 32.3 / 49.0%).
 DEFAULT_HALF_LIFE = 16
 
 
