@@ -88,13 +88,14 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
             config=config, store=store, slab=slab, io=io, gpu_sock=sockets[0], jobs_sock=sockets[1], ledger=ledger
         )
         logger.info(
-            "serving %s: %d slots of %d bytes (%d working, %d per layer, %d pinned); jobs at %s",
+            "serving %s: %d slots of %d bytes (%d working, %d per layer, %d pinned, replacement %s); jobs at %s",
             config.model_dir,
             config.plan.total_slots,
             config.plan.slot_bytes,
             config.plan.working_slots,
             config.plan.slots_per_layer,
             config.plan.pinned_slots,
+            coordinator.manager.replacement,
             config.endpoints.jobs,
         )
         tasks = [

@@ -8,7 +8,8 @@ lease path:
 - safe-point policy (only while no wave is active): pressure correction
   (evict least-recent resident experts, disabling their slots, until the
   footprint fits the budget), the pinned preload, and LFRU live repin (swap a
-  cold pin for a hot resident expert: roles move, bytes do not);
+  cold pin for a hot resident expert: roles move, bytes do not; only under a
+  replacement policy whose pins are fixed, like the seed's `lru`);
 - advisory hints (readahead of predicted experts; never touch a slot) and
   route recording into the usage ledger;
 - views: the hint telemetry, the snapshot and the residency map.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from coordinator.prefetch import PrefetchBook
+from coordinator.replacement import ReplacementPolicy
 from coordinator.residency_backend import EMPTY_HINT_SNAPSHOT, ExpertIOHintSnapshot, ExpertResidencyBackend
 from coordinator.residency_core import Locate
 from coordinator.residency_prefetch import PrefetchingCore
@@ -51,6 +53,7 @@ class ExpertResidencyManager(PrefetchingCore):
         usage: object | None = None,
         route_observer: RouteObserver | None = None,
         prefetch: PrefetchBook | None = None,
+        replacement: str | ReplacementPolicy = "lru",
     ) -> None:
         super().__init__(
             plan=plan,
@@ -59,6 +62,7 @@ class ExpertResidencyManager(PrefetchingCore):
             locate=locate,
             pinned=pinned,
             prefetch=prefetch,
+            replacement=replacement,
         )
         self._usage = usage
         self._route_observer = route_observer
@@ -112,9 +116,14 @@ class ExpertResidencyManager(PrefetchingCore):
                 lease.release_fenced()
 
     def repin_candidates(self) -> list:
-        """LFRU swaps the ledger suggests, one per layer at most (no ledger: none)."""
+        """LFRU swaps the ledger suggests, one per layer at most (no ledger: none).
+
+        None either under a replacement policy with adaptive pins: it re-ranks the pins at every
+        promotion already, and a second ranking by the ledger's heat would only move the label
+        (or load an expert the policy did not keep) without changing what it would evict.
+        """
         self._require_safe_point("live repin")
-        if self._usage is None:
+        if self._usage is None or self._replacement.adaptive_pins:
             return []
         candidates = []
         for layer in self.sparse_layer_ids:
@@ -125,8 +134,14 @@ class ExpertResidencyManager(PrefetchingCore):
         return candidates
 
     async def apply_repin(self, candidate) -> ExpertRepinEvent:
-        """Swap a cold pin for a hot resident expert; roles move, bytes do not."""
+        """Swap a cold pin for a hot resident expert; roles move, bytes do not.
+
+        Only for fixed pins: under adaptive pins the policy alone decides what a pin holds (and its
+        load of the hot expert could evict the cold pin itself), so a swap is refused.
+        """
         self._require_safe_point("live repin")
+        if self._replacement.adaptive_pins:
+            raise ResidencyError(f"live repin is for fixed pins; {self._replacement.name} ranks its pins itself")
         layer, cold, hot = candidate.layer, candidate.cold_expert_id, candidate.hot_expert_id
         if (layer, cold) not in self._pinned_keys or (layer, hot) in self._pinned_keys:
             raise ResidencyError(f"stale live-repin candidate {layer}: {cold} -> {hot}")
@@ -269,6 +284,11 @@ class ExpertResidencyManager(PrefetchingCore):
     @property
     def pinned(self) -> tuple[tuple[int, int], ...]:
         return tuple(self._pinned)
+
+    @property
+    def replacement(self) -> str:
+        """The replacement policy's name (coordinator.replacement)."""
+        return self._replacement.name
 
     # -- internals ---------------------------------------------------------
 

@@ -1,11 +1,12 @@
 """The residency manager's core: the slots, the pins and the one wave of leases at a time.
 
 A faithful port of the reference policy (residency.ts). Slots have a role
-(working bank, a sparse layer's resident LRU, pinned, disabled) and a phase
+(working bank, a sparse layer's resident slots, pinned, disabled) and a phase
 (idle, loading, ready, leased). Misses load into the working bank; on the
-fenced release of a wave each miss is promoted into its layer's LRU victim
-(idle first) or an idle pinned slot, and the victim slot joins the working
-bank. Only one wave is active at a time, so a leased slot can never be
+fenced release of a wave each miss is promoted into its layer's victim (idle
+first, then the replacement policy's choice: coordinator.replacement; the
+seed's LRU by default) or an idle pinned slot, and the victim slot joins the
+working bank. Only one wave is active at a time, so a leased slot can never be
 shared with, or evicted beneath, another reader. A failed acquire is undone
 (loads cancelled and drained, hits back to ready) before its error re-raises.
 
@@ -21,6 +22,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
+from coordinator.replacement import ReplacementPolicy, choose_victim, replacement_policy
 from coordinator.residency_backend import ExpertResidencyBackend
 from coordinator.residency_types import (
     Classification,
@@ -73,6 +75,7 @@ class ResidencyCore:
         backend: ExpertResidencyBackend,
         locate: Locate,
         pinned: Sequence[tuple[int, int]] | None = None,
+        replacement: str | ReplacementPolicy = "lru",
     ) -> None:
         if not isinstance(plan, ExpertResidencyPlan):
             raise TypeError(f"plan must be an ExpertResidencyPlan, got {type(plan).__name__}")
@@ -103,6 +106,7 @@ class ResidencyCore:
         self._locate = locate
         self._pinned = pins
         self._pinned_keys = set(pins)
+        self._replacement = replacement_policy(replacement)
         self._active = False
         self._active_layer: int | None = None  # the layer of the active wave
         self._clock = 0
@@ -244,6 +248,7 @@ class ResidencyCore:
         if classification == "demand":
             self._hits += hits
             self._misses += len(entries) - hits
+            self._replacement.touch(layer, unique)
         order = {expert: index for index, expert in enumerate(unique)}
         entries.sort(key=lambda entry: order[entry.expert_id])
         return ExpertBatchLease(self, entries)
@@ -292,8 +297,10 @@ class ResidencyCore:
                         self._table.swap_roles(record, target, "pinned", None)
                         promoted.add(record.id)
                         continue
-                target = self._table.layer_victim(entry.layer, protected)
-                if target is None:
+                target = choose_victim(
+                    self._replacement, self._table, entry.layer, protected, pinned=(self._pinned, self._pinned_keys)
+                )
+                if target is None or not self._replacement.admit(entry.layer, entry.expert_id, target):
                     continue
                 if target.phase == "ready":
                     self._table.forget(target, keep_layer=True)

@@ -4,7 +4,8 @@
 
 - `prefetch(layer, experts)`: each predicted expert that is neither resident
   nor already being read goes into the layer's victim slot (the same choice a
-  promoted miss makes: idle first, then the replacement policy's victim),
+  promoted miss makes: idle first, then the replacement policy's victim,
+  `coordinator.replacement.choose_victim`),
   read as its own classification (`prefetch`), and is in the lookup at once:
   a demand lease that finds it still reading waits for that read instead of
   issuing a second one (`ResidencyCore._await_in_flight`). It never touches a
@@ -25,6 +26,7 @@ import logging
 from collections.abc import Sequence
 
 from coordinator.prefetch import PrefetchBook
+from coordinator.replacement import choose_victim
 from coordinator.residency_core import ResidencyCore
 from coordinator.residency_types import IOCounters, ResidencyError
 from coordinator.slot_table import SlotRecord
@@ -61,7 +63,9 @@ class PrefetchingCore(ResidencyCore):
         for expert in ids:
             if (layer, expert) in self._lookup:
                 continue
-            victim = self._table.layer_victim(layer, protected)
+            victim = choose_victim(
+                self._replacement, self._table, layer, protected, pinned=(self._pinned, self._pinned_keys)
+            )
             if victim is None:
                 break
             if not self._read_into(victim, layer, expert):

@@ -125,6 +125,7 @@ class Coordinator:
             pinned=[tuple(pair) for pair in config.pinned],
             usage=ledger,
             prefetch=PrefetchBook(mode=config.prefetch),  # type: ignore[arg-type]
+            replacement=config.replacement,
         )
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
         self.safepoints = SafePoints(

@@ -7,7 +7,7 @@ a layer's slot set and the working bank partition the live slots).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,6 +30,11 @@ class SlotRecord:
     generation: int = 0
     last_use: int = 0
     prefetched: bool = False  # read by a prefetch and not yet leased by demand
+
+
+def least_recent(record: SlotRecord) -> tuple[int, int]:
+    """The seed's rank of a ready slot: least recently used first, ties to the lowest slot id."""
+    return (record.last_use, record.id)
 
 
 class SlotTable:
@@ -81,16 +86,38 @@ class SlotTable:
             errors.append(error)
             self.disable(record)
 
-    def layer_victim(self, layer: int, protected: set[int]) -> SlotRecord | None:
-        """The layer's slot a promoted miss replaces: idle first, then least recent."""
+    def layer_victim(
+        self,
+        layer: int,
+        protected: set[int],
+        *,
+        key: Callable[[SlotRecord], tuple] = least_recent,
+        pins: Sequence[SlotRecord] = (),
+    ) -> SlotRecord | None:
+        """The slot a promoted miss of `layer` replaces: idle first, then the smallest `key` among
+        the layer's ready slots and the ready `pins` offered (the replacement policy's rank)."""
         candidates = [
             self.slots[i]
             for i in self.layer_slots[layer]
             if i not in protected and self.slots[i].phase in ("idle", "ready")
         ]
+        candidates += [record for record in pins if record.id not in protected and record.phase == "ready"]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.phase != "idle", r.last_use, r.id))
+        return min(candidates, key=lambda r: (r.phase != "idle", key(r)))
+
+    def pass_pin(self, pin: SlotRecord, layer: int, key: Callable[[SlotRecord], tuple]) -> SlotRecord | None:
+        """Make the ready pinned slot `pin` one of `layer`'s slots and pin the layer's highest-ranked
+        ready slot instead (its heir, returned); roles move, bytes do not. None (nothing moved)
+        when the layer has no ready slot to take the pin."""
+        ready = [self.slots[i] for i in self.layer_slots[layer] if self.slots[i].phase == "ready"]
+        if not ready or pin.role != "pinned" or pin.layer != layer:
+            return None
+        heir = max(ready, key=key)
+        self.layer_slots[layer].discard(heir.id)
+        self.layer_slots[layer].add(pin.id)
+        heir.role, pin.role = "pinned", "layer"
+        return heir
 
     def swap_roles(
         self,

@@ -1,7 +1,8 @@
-"""Hit rate against capacity: the replay of all three policies at several slots per layer, and its plot.
+"""Hit rate against capacity: the replay of every policy at several slots per layer, as a table and a plot.
 
-One capacity says little about a policy; the sweep shows where ours sits between LRU and Belady
-from a starved cache to a generous one (`--plot`).
+One capacity says little about a policy; the sweep shows where ours (under each replacement
+policy named) sits between LRU and Belady from a starved cache to a generous one (`--sweep`,
+`--plot`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ def sweep_points(slots: int, sweep: str | None) -> list[int]:
         return sorted(set(points))
     step = max(1, (2 * slots) // 12)
     return sorted({*range(1, 2 * slots + 1, step), slots, 2 * slots})
+
+
+def format_sweep(points: Sequence[int], curves: dict[str, list[float]]) -> list[str]:
+    """The sweep as text lines: one row per capacity, one column per curve (hit rates in %)."""
+    width = max(8, *(len(name) for name in curves))
+    lines = [f"{'slots':>5} " + " ".join(f"{name:>{width}}" for name in curves)]
+    for index, slots in enumerate(points):
+        lines.append(f"{slots:>5} " + " ".join(f"{100 * values[index]:>{width}.2f}" for values in curves.values()))
+    return lines
 
 
 def plot_sweep(path: str, points: list[int], curves: dict[str, list[float]], *, title: str, marked: int) -> None:
@@ -52,13 +62,16 @@ def sweep_hit_rates(
     working_slots: int,
     pins: tuple[tuple[int, int], ...],
     pins_source: str,
+    replacements: Sequence[str] = ("lru",),
     rows: list[list[int]] | None = None,
 ) -> dict[str, list[float]]:
-    """Each policy's hit rate at each of `points` slots per layer, the working bank and pins fixed."""
-    curves: dict[str, list[float]] = {"ours": [], "lru": [], "belady": []}
+    """Each policy's hit rate at each of `points` slots per layer, the working bank and pins fixed:
+    "ours:NAME" for every replacement policy named, then "lru" and "belady"."""
+    curves: dict[str, list[float]] = {}
     for slots in points:
         capacity = Capacity(slots_per_layer=slots, working_slots=working_slots, pins=pins, pins_source=pins_source)
-        point = replay(trace, capacity, rows=rows)
-        for name in curves:
-            curves[name].append(point[name].hit_rate)
+        point = replay(trace, capacity, replacements=replacements, rows=rows)
+        for name, result in point.items():
+            if name != "ours":  # the first policy's alias
+                curves.setdefault(name, []).append(result.hit_rate)
     return curves

@@ -1,9 +1,10 @@
 """The real residency manager replayed over a routing trace, next to the LRU and Belady baselines.
 
 "ours" is `coordinator.residency.ExpertResidencyManager` over an `InMemoryBackend` (no I/O),
-fed visit by visit as the coordinator feeds it; the baselines (`instruments.cache_policies`) get
-the same resident capacity per layer (`Capacity`) and the same pins at the start. Each policy's
-hits come back as a `PolicyResult`.
+fed visit by visit as the coordinator feeds it, once per replacement policy named
+(`coordinator.replacement`; results "ours:NAME", and "ours" is the first); the baselines
+(`instruments.cache_policies`) get the same resident capacity per layer (`Capacity`) and the
+same pins at the start. Each policy's hits come back as a `PolicyResult`.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Capacity:
         }
 
 
-async def _replay_ours(trace: Trace, rows: list[list[int]], capacity: Capacity) -> PolicyResult:
+async def _replay_ours(trace: Trace, rows: list[list[int]], capacity: Capacity, replacement: str) -> PolicyResult:
     from coordinator.memory_backend import InMemoryBackend
     from coordinator.residency import ExpertResidencyManager
     from shared.plan import plan_expert_residency
@@ -104,6 +105,7 @@ async def _replay_ours(trace: Trace, rows: list[list[int]], capacity: Capacity) 
         locate=lambda layer, expert: ExpertResidencyLocation(layer, expert, segments),
         pinned=list(capacity.pins),
         usage=None,
+        replacement=replacement,
     )
     if capacity.pins:
         await manager.preload_pinned()
@@ -119,7 +121,10 @@ async def _replay_ours(trace: Trace, rows: list[list[int]], capacity: Capacity) 
         lookups[layer] += len(row)
         all_resident += hit == len(row)
     snap = manager.snapshot()
-    extra = {"manager": {"hits": snap.hits, "misses": snap.misses, "evictions": snap.evictions}}
+    extra = {
+        "replacement": replacement,
+        "manager": {"hits": snap.hits, "misses": snap.misses, "evictions": snap.evictions},
+    }
     return PolicyResult(hits, lookups, all_resident, trace.num_visits, extra)
 
 
@@ -141,14 +146,26 @@ def _baseline(trace: Trace, rows: list[list[int]], capacity: Capacity, simulate)
     return PolicyResult(hits, lookups, full, len(rows))
 
 
-def replay(trace: Trace, capacity: Capacity, *, rows: list[list[int]] | None = None) -> dict[str, PolicyResult]:
-    """Ours, LRU and Belady at one capacity."""
+def replay(
+    trace: Trace,
+    capacity: Capacity,
+    *,
+    replacements: Sequence[str] = ("lru",),
+    rows: list[list[int]] | None = None,
+) -> dict[str, PolicyResult]:
+    """Ours under each of `replacements` ("ours:NAME"; "ours" is the first), LRU and Belady at one capacity.
+
+    The default policy is the manager's own (`lru`); scripts/replay.py asks for the system's."""
     rows = unique_rows(trace.experts.tolist()) if rows is None else rows
     widest = max(len(row) for row in rows)
     if capacity.working_slots < widest:
         raise ValueError(f"--working-slots {capacity.working_slots} < {widest}, the most unique experts of one visit")
+    if not replacements:
+        raise ValueError("name at least one replacement policy")
+    ours = {f"ours:{name}": asyncio.run(_replay_ours(trace, rows, capacity, name)) for name in replacements}
     return {
-        "ours": asyncio.run(_replay_ours(trace, rows, capacity)),
+        "ours": ours[f"ours:{replacements[0]}"],
+        **ours,
         "lru": _baseline(trace, rows, capacity, simulate_lru),
         "belady": _baseline(trace, rows, capacity, simulate_belady),
     }

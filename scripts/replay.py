@@ -1,12 +1,15 @@
 """Replay a routing trace through the real residency manager, next to LRU and Belady.
 
-    python scripts/replay.py TRACE --slots-per-layer N [--working-slots N]
-        [--pinned N] [--usage-file PATH] [--json] [--plot out.png] [--sweep 1,2,4]
+    python scripts/replay.py TRACE[.gz] --slots-per-layer N [--working-slots N]
+        [--replacement lrfu,lru] [--pinned N] [--usage-file PATH] [--json]
+        [--sweep 6,8,16] [--plot out.png]
 
 "ours" is `coordinator.residency.ExpertResidencyManager` over an
-`InMemoryBackend` (no I/O): per visit (token, layer) it records the routes,
-acquires the deduplicated experts, counts the lease entries that hit and
-releases the lease. Hit rate = hits / unique experts looked up; "all
+`InMemoryBackend` (no I/O), once per replacement policy named by
+`--replacement` (default: the system's, as `moeslab-launch` uses it; the
+first named is "ours" in the JSON, every one is "ours:NAME"): per visit
+(token, layer) it records the routes, acquires the deduplicated experts,
+counts the lease entries that hit and releases the lease. Hit rate = hits / unique experts looked up; "all
 resident" = fraction of visits whose every expert hit. Visits are replayed in
 trace order; the layers' caches are independent, so the order of layers
 within a token does not change any figure.
@@ -28,6 +31,10 @@ layer, and all three start with the pinned experts resident (ours preloads
 them before the first token). Without pins all three start empty. The
 working bank size only bounds the experts of one visit; it holds nothing
 between visits, so the baselines ignore it.
+
+`--sweep` replays every policy at each of its capacities (slots per layer)
+and prints the hit rates; `--plot` draws them (by default at about a dozen
+capacities up to twice `--slots-per-layer`).
 
 Pins (`--pinned N`): the top N (layer, expert) pairs by count of the
 `--usage-file` (an ExpertUsageLedger file, `layer expert count` rows; pairs of
@@ -56,7 +63,8 @@ except ImportError:  # not installed and no PYTHONPATH: run from a checkout
 
 from instruments.cache_policies import unique_rows
 from instruments.replay_pins import choose_pins, plan_auto_pins
-from instruments.replay_sweep import plot_sweep, sweep_hit_rates, sweep_points
+from instruments.replay_sweep import format_sweep, plot_sweep, sweep_hit_rates, sweep_points
+from shared.config import DEFAULT_REPLACEMENT, parse_replacement
 from shared.trace import read_trace
 
 
@@ -76,12 +84,14 @@ def print_tables(info: dict, capacity: Capacity, results: dict[str, PolicyResult
         f"{len(capacity.pins)} pinned (pins: {capacity.pins_source}); lru/belady: "
         f"{capacity.slots_per_layer} + the layer's pins per layer, same pins resident at start"
     )
-    print(f"{'policy':<8} {'hit rate':>9} {'all-resident':>13}")
-    for name, result in results.items():
-        print(f"{name:<8} {result.hit_rate:>9.4f} {result.as_json()['all_resident']:>13.4f}")
-    print(f"{'layer':<6} {'pins':>4} " + " ".join(f"{name:>7}" for name in results))
+    shown = {name: result for name, result in results.items() if name != "ours"}  # "ours" is the first's alias
+    width = max(8, *(len(name) for name in shown))
+    print(f"{'policy':<{width}} {'hit rate':>9} {'all-resident':>13}")
+    for name, result in shown.items():
+        print(f"{name:<{width}} {result.hit_rate:>9.4f} {result.as_json()['all_resident']:>13.4f}")
+    print(f"{'layer':<6} {'pins':>4} " + " ".join(f"{name:>{width}}" for name in shown))
     for layer in layer_ids:
-        rates = " ".join(f"{result.layer_rate(layer):>7.4f}" for result in results.values())
+        rates = " ".join(f"{result.layer_rate(layer):>{width}.4f}" for result in shown.values())
         print(f"{layer:<6} {len(capacity.pins_at(layer)):>4} {rates}")
 
 
@@ -91,13 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=trace_format.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("trace", help="routing trace file (format below)")
+    parser.add_argument("trace", help="routing trace file (format below), plain or gzip-compressed")
     parser.add_argument("--slots-per-layer", type=int, required=True, help="resident LRU slots per sparse layer")
     parser.add_argument(
         "--working-slots",
         type=int,
         default=None,
         help="working bank size (default: the most unique experts of one visit)",
+    )
+    parser.add_argument(
+        "--replacement",
+        default=DEFAULT_REPLACEMENT,
+        metavar="NAME[,NAME...]",
+        help=f"the manager's replacement policies to replay: lru, lrfu or lrfu:HALF_LIFE "
+        f"(default {DEFAULT_REPLACEMENT}, the system's); the first is 'ours' in the JSON",
     )
     parser.add_argument(
         "--pinned",
@@ -119,8 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--usage-file", default=None, help="ledger file (layer expert count) to choose the pins from")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--plot", default=None, metavar="OUT.png", help="hit rate against slots per layer, all three")
-    parser.add_argument("--sweep", default=None, help="comma list of slots-per-layer for --plot (default ~1..2N)")
+    parser.add_argument(
+        "--plot", default=None, metavar="OUT.png", help="hit rate against slots per layer, every policy"
+    )
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        metavar="N,N,...",
+        help="replay every policy at these slots per layer and print the table (and plot it with --plot; "
+        "--plot alone sweeps ~1..2N)",
+    )
     return parser
 
 
@@ -145,6 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--pinned auto plans pins from history: give --usage-file too")
     if args.slot_bytes < 1 or args.min_pin_budget < 0:
         parser.error("--slot-bytes must be >= 1 and --min-pin-budget >= 0")
+    replacements = list(dict.fromkeys(name.strip() for name in args.replacement.split(",") if name.strip()))
+    try:
+        if not replacements:
+            raise ValueError("--replacement names no policy")
+        for name in replacements:
+            parse_replacement(name)
+        points = sweep_points(args.slots_per_layer, args.sweep) if args.sweep or args.plot else None
+    except ValueError as error:
+        parser.error(str(error))
     try:
         trace = read_trace(args.trace)
         rows = unique_rows(trace.experts.tolist())
@@ -164,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pins, source = choose_pins(trace, count=args.pinned, usage_file=args.usage_file)
         capacity = Capacity(slots_per_layer=args.slots_per_layer, working_slots=working, pins=pins, pins_source=source)
         started = time.perf_counter()
-        results = replay(trace, capacity, rows=rows)
+        results = replay(trace, capacity, replacements=replacements, rows=rows)
         elapsed = time.perf_counter() - started
     except (OSError, ValueError) as error:
         print(f"replay: {error}", file=sys.stderr)
@@ -172,18 +206,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = describe(trace, args.trace)
     print_tables(info, capacity, results, trace.layer_ids)
     print(f"replayed in {elapsed:.2f} s")
-    report = {"trace": info, "capacity": capacity.as_json(trace.layer_ids)}
-    report.update({name: result.as_json() for name, result in results.items()})
-    if args.plot:
-        points = sweep_points(args.slots_per_layer, args.sweep)
-        curves = sweep_hit_rates(trace, points, working_slots=working, pins=pins, pins_source=source, rows=rows)
-        title = (
-            f"{Path(args.trace).name}: top-{trace.top_k}, {len(trace.layer_ids)} layers, "
-            f"overlap {info['overlap'] or 0:.2f}; {working} working, {len(pins)} pinned"
+    report = {"trace": info, "capacity": capacity.as_json(trace.layer_ids), "replacement": replacements}
+    report.update({name: results[name].as_json() for name in ("ours", "lru", "belady")})
+    report["policies"] = {name: results[f"ours:{name}"].as_json() for name in replacements}
+    if points is not None:
+        curves = sweep_hit_rates(
+            trace,
+            points,
+            working_slots=working,
+            pins=pins,
+            pins_source=source,
+            replacements=replacements,
+            rows=rows,
         )
-        plot_sweep(args.plot, points, curves, title=title, marked=args.slots_per_layer)
-        report["sweep"] = {"slots_per_layer": points, **curves}
-        print(f"plot written to {args.plot} ({len(points)} capacities)")
+        print(f"sweep: hit rate (%) against slots per layer; {len(pins)} pinned ({source})")
+        for line in format_sweep(points, curves):
+            print(line)
+        report["sweep"] = {
+            "slots_per_layer": points,
+            "ours": curves[f"ours:{replacements[0]}"],
+            "lru": curves["lru"],
+            "belady": curves["belady"],
+            "policies": {name: curves[f"ours:{name}"] for name in replacements},
+        }
+        if args.plot:
+            title = (
+                f"{Path(args.trace).name}: top-{trace.top_k}, {len(trace.layer_ids)} layers, "
+                f"overlap {info['overlap'] or 0:.2f}; {working} working, {len(pins)} pinned"
+            )
+            plot_sweep(args.plot, points, curves, title=title, marked=args.slots_per_layer)
+            print(f"plot written to {args.plot} ({len(points)} capacities)")
     if args.json:
         print(json.dumps(report, sort_keys=False))
     return 0

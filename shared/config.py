@@ -30,6 +30,12 @@ IO_MODES = ("auto", "direct", "dontneed", "buffered")
 PREFETCH_MODES = ("auto", "on", "off")
 STAGING_MODES = ("auto", "on", "off")  # native.staging.STAGING_REQUESTS
 TEST_HOOKS = ("scribble_fenced", "verify_fenced")
+# The residency manager's replacement policies (coordinator.replacement implements each; the one
+# knob of a policy that has one follows its name: `lrfu:16`). The system default is the best one
+# measured on real routing with scripts/replay.py; the manager's own default stays `lru`.
+REPLACEMENT_POLICIES = ("lru", "lrfu")
+REPLACEMENT_KNOBS = ("lrfu",)  # the policies that take a knob
+DEFAULT_REPLACEMENT = "lrfu"
 # The GPU worker's --compute-lanes bound (MLX streams for a decode wave's parts; gpuworker.lanes).
 MAX_COMPUTE_LANES = 16
 # sun_path is 108 bytes on Linux, 104 on macOS; keep a margin for the socket names.
@@ -42,6 +48,23 @@ def check_compute_lanes(value: object, *, name: str = "compute_lanes") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COMPUTE_LANES:
         raise ValueError(f"{name} must be in [1, {MAX_COMPUTE_LANES}] (an int), got {value!r}")
     return value
+
+
+def parse_replacement(spec: object) -> tuple[str, int | None]:
+    """A replacement policy's name and its knob (None: the policy's default) from `NAME` or
+    `NAME:N` (N a positive integer, for a policy that has a knob); ValueError naming the spec."""
+    if not isinstance(spec, str):
+        raise ValueError(f"replacement policy must be a string, got {spec!r}")
+    name, colon, knob = spec.partition(":")
+    if name not in REPLACEMENT_POLICIES:
+        raise ValueError(f"unknown replacement policy {spec!r}; known: {', '.join(REPLACEMENT_POLICIES)}")
+    if not colon:
+        return name, None
+    if name not in REPLACEMENT_KNOBS:
+        raise ValueError(f"replacement policy {name!r} takes no knob, got {spec!r}")
+    if not knob.isdigit() or not knob.isascii() or int(knob) < 1:
+        raise ValueError(f"replacement policy {spec!r}: the knob after ':' must be a positive integer")
+    return name, int(knob)
 
 
 # Durations that must be positive (io_replacement_grace_s may be 0: lost loads fail at once).
@@ -101,6 +124,7 @@ class RunConfig:
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
+    replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy (parse_replacement)
 
 
 def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
@@ -226,6 +250,10 @@ def check_config(config: RunConfig) -> RunConfig:
             check_compute_lanes(config.compute_lanes)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    try:
+        parse_replacement(config.replacement)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     unknown = [hook for hook in config.test_hooks if hook not in TEST_HOOKS]
     if unknown:
         raise ConfigError(f"unknown test hook(s) {unknown}; known: {list(TEST_HOOKS)}")
@@ -256,9 +284,12 @@ def read_config(path: str | os.PathLike[str]) -> RunConfig:
 __all__ = [
     "CONFIG_FILE",
     "CONFIG_VERSION",
+    "DEFAULT_REPLACEMENT",
     "IO_MODES",
     "MANIFEST_FILE",
     "PREFETCH_MODES",
+    "REPLACEMENT_KNOBS",
+    "REPLACEMENT_POLICIES",
     "TEST_HOOKS",
     "ConfigError",
     "Endpoints",
@@ -268,6 +299,7 @@ __all__ = [
     "check_jobs_endpoint",
     "config_from_dict",
     "config_to_dict",
+    "parse_replacement",
     "read_config",
     "run_endpoints",
     "write_config",

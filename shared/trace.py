@@ -1,7 +1,7 @@
 """Routing traces: the text format, its parser and writer, and a synthetic generator.
 
-Trace format (text, UTF-8)
---------------------------
+Trace format (text, UTF-8; `read_trace` also reads it gzip-compressed, e.g. `.txt.gz`)
+--------------------------------------------------------------------------------------
 One line per (token, sparse layer) visit::
 
     # comment lines start with '#'; blank lines are ignored
@@ -48,6 +48,7 @@ request exactly. Row order within a line is shuffled. Deterministic in
 
 from __future__ import annotations
 
+import gzip
 import logging
 import math
 import re
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 _DATA_LINE = re.compile(r"[0-9]+(?:[ \t]+[0-9]+)*")
 _DIGITS = re.compile(r"[0-9]+")
 _FIELD_NAMES = ("token", "layer")
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class TraceFormatError(ValueError):
@@ -196,8 +198,16 @@ def parse_trace(lines: Iterable[str], *, source: str = "<trace>") -> Trace:
 
 
 def read_trace(path: str | Path) -> Trace:
-    """Read and parse a trace file."""
+    """Read and parse a trace file, gzip-compressed or not (told by its first two bytes, not its name)."""
     path = Path(path)
+    with path.open("rb") as probe:
+        compressed = probe.read(2) == _GZIP_MAGIC
+    if compressed:
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as handle:
+                return parse_trace(handle, source=str(path))
+        except EOFError:
+            raise ValueError(f"{path}: the gzip stream ends early (a truncated file?)") from None
     with path.open("r", encoding="utf-8") as handle:
         return parse_trace(handle, source=str(path))
 

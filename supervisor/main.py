@@ -137,6 +137,7 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 io_read_delay_ms=options.test_io_read_delay_ms,
                 compute_lanes=options.compute_lanes,
                 prefetch=options.prefetch,
+                replacement=options.replacement,
                 cancel=lambda: life.stop_requested,
             )
             try:

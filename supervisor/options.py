@@ -9,7 +9,13 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.config import PREFETCH_MODES, check_compute_lanes, check_jobs_endpoint
+from shared.config import (
+    DEFAULT_REPLACEMENT,
+    PREFETCH_MODES,
+    check_compute_lanes,
+    check_jobs_endpoint,
+    parse_replacement,
+)
 from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, parse_size
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -44,6 +50,7 @@ class SupervisorOptions:
     restart: RestartPolicy = RestartPolicy()
     compute_lanes: int | None = None  # None: the GPU worker's auto choice
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
+    replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
     test_io_read_delay_ms: float = 0.0
     test_hooks: tuple[str, ...] = ()
 
@@ -79,6 +86,14 @@ def _lanes(text: str) -> int | None:
 
 def _pins(text: str) -> int | str:
     return "auto" if text == "auto" else _count(0)(text)
+
+
+def _replacement(text: str) -> str:
+    try:
+        parse_replacement(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _endpoint(text: str) -> str:
@@ -134,6 +149,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         help="load the experts the next layer's router predicts while a layer computes "
         "(auto: a layer whose prefetches are not used stops)",
     )
+    add(
+        "--replacement",
+        type=_replacement,
+        default=DEFAULT_REPLACEMENT,
+        metavar="NAME",
+        help=f"the resident experts' replacement policy: lru or lrfu[:HALF_LIFE] (default {DEFAULT_REPLACEMENT})",
+    )
     add("--run-dir", default=None, metavar="DIR", help="default: a fresh private directory")
     add(
         "--endpoint",
@@ -168,6 +190,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         restart=RestartPolicy(max_restarts=ns.max_restarts, window_s=ns.restart_window),
         compute_lanes=ns.compute_lanes,
         prefetch=ns.prefetch,
+        replacement=ns.replacement,
         test_io_read_delay_ms=ns.test_io_read_delay_ms,
         test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook),
     )

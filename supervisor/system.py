@@ -49,6 +49,7 @@ from shared.commands import (
 )
 from shared.config import (
     CONFIG_FILE,
+    DEFAULT_REPLACEMENT,
     IO_MODES,
     MANIFEST_FILE,
     PREFETCH_MODES,
@@ -58,6 +59,7 @@ from shared.config import (
     SlabSpec,
     check_compute_lanes,
     check_jobs_endpoint,
+    parse_replacement,
     run_endpoints,
     write_config,
 )
@@ -309,6 +311,7 @@ def start_system(
     compute_lanes: int | None = None,
     prefetch: str = "auto",
     io_staging: str = "auto",
+    replacement: str = DEFAULT_REPLACEMENT,
     run_config: Mapping[str, Any] | None = None,
     cancel: Callable[[], bool] | None = None,
 ) -> RunningSystem:
@@ -320,7 +323,8 @@ def start_system(
     `ipc://RUN_DIR/jobs` (see `check_jobs_endpoint`). `io_read_delay_ms` slows every I/O worker's
     loads (tests). `compute_lanes`: the GPU worker's `--compute-lanes` (None: its auto choice,
     `gpuworker.lanes.resolve_lanes`). `prefetch`: next-layer prefetch, auto | on | off
-    (`coordinator.prefetch`). `io_staging`: the I/O workers' `--staging`. `run_config`: more
+    (`coordinator.prefetch`). `io_staging`: the I/O workers' `--staging`. `replacement`: the
+    residency manager's replacement policy (`shared.config.parse_replacement`). `run_config`: more
     `RunConfig` fields (the coordinator's policy knobs, e.g. `queue_limit`, `usage_flush_s`).
     `cancel` is polled while waiting for readiness: True stops the launch (`LaunchCancelled`), with
     everything it created removed.
@@ -336,6 +340,7 @@ def start_system(
         check_compute_lanes(compute_lanes)
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
+    parse_replacement(replacement)
     endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint)
     store = ExpertStore.open(model_dir, block_size=block_size)
     usage = os.path.abspath(os.fspath(usage_file)) if usage_file is not None else None
@@ -367,6 +372,7 @@ def start_system(
         compute_lanes=compute_lanes,
         prefetch=prefetch,
         io_staging=io_staging,
+        replacement=replacement,
         test_io_read_delay_ms=float(io_read_delay_ms) if io_read_delay_ms else None,
         **(run_config or {}),
     )

@@ -21,7 +21,7 @@ from mlx_lm.utils import load_model
 
 from gpuworker.expert_provider import LeasedWave
 from gpuworker.model import load_streamed_model, streamed_switches
-from gpuworker.prediction import NextLayerRouter, next_layer_routers, router_scores
+from gpuworker.prediction import NextLayerRouter, PredictingEmbedding, next_layer_routers, router_scores
 from tests.helpers.models import FAMILIES, write_tiny_model
 from tests.helpers.oracle import generate_steps
 
@@ -121,7 +121,10 @@ class _Provider:
     """Serves every expert from memory in one wave and records what acquire was given."""
 
     def __init__(self, experts: dict[int, dict[str, mx.array]]) -> None:
-        self.experts, self.calls = experts, []
+        self.experts, self.calls, self.first = experts, [], []
+
+    def prefetch(self, layer, experts) -> None:
+        self.first.append((layer, experts, len(self.calls)))
 
     def acquire(self, layer, routes, *, prefetch=None):
         self.calls.append((layer, routes.shape[0], prefetch))
@@ -150,6 +153,15 @@ def test_a_predicting_streamed_model_computes_the_same_and_predicts_in_decode_on
     prefill = [call for call in predicting.calls if call[1] > 1]
     decode = [call for call in predicting.calls if call[1] == 1]
     assert prefill and all(call[2] is None for call in prefill)
+    # The first sparse layer is predicted from the token, once per decode step, before its routes.
+    first = info.sparse_layers[0]
+    assert any(isinstance(module, PredictingEmbedding) for _, module in model_p.named_modules())
+    decode_steps = [index for index, call in enumerate(predicting.calls) if call[1] == 1 and call[0] == first]
+    assert [at for _, _, at in predicting.first] == decode_steps
+    assert all(
+        layer == first and len(experts) == 5 and len(set(experts)) == 5 for layer, experts, _ in predicting.first
+    )
+    assert not plain.first and not any(isinstance(m, PredictingEmbedding) for _, m in model.named_modules())
     last = info.sparse_layers[-1]
     for layer, _, prefetch in decode:
         if layer == last:

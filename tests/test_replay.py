@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import subprocess
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from instruments.cache_policies import next_uses, simulate_belady, simulate_lru, unique_rows
 from instruments.replay_pins import choose_pins, plan_auto_pins, read_usage_counts
 from instruments.residency_replay import Capacity, replay
+from shared.config import DEFAULT_REPLACEMENT
 from shared.trace import generate_trace, parse_trace, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,3 +255,69 @@ def test_cli_plot_writes_png(small_trace, tmp_path):
     sweep = json.loads(done.stdout.strip().splitlines()[-1])["sweep"]
     assert sweep["slots_per_layer"] == [1, 4, 8]
     assert all(o <= b and lru <= b for o, lru, b in zip(sweep["ours"], sweep["lru"], sweep["belady"]))
+
+
+# -- replacement policies, gzip traces, the sweep ------------------------------------------------
+
+
+@manager_required
+@pytest.mark.parametrize("seed", range(4))
+def test_every_policy_stays_under_belady_and_lru_is_the_seed(seed):
+    rng = np.random.default_rng(100 + seed)
+    top_k = int(rng.integers(2, 5))
+    trace = generate_trace(
+        layers=2, experts=int(rng.integers(2 * top_k, 20)), top_k=top_k, tokens=150, zipf=1.0, seed=seed
+    )
+    for slots in (1, top_k, 2 * top_k):
+        pins, source = choose_pins(trace, count=int(rng.integers(0, 4)), usage_file=None)
+        capacity = Capacity(slots_per_layer=slots, working_slots=top_k, pins=pins, pins_source=source)
+        results = replay(trace, capacity, replacements=["lrfu", "lru", "lrfu:2"])
+        assert results["ours"] is results["ours:lrfu"]
+        assert results["ours:lru"].extra["replacement"] == "lru"
+        for name in ("ours:lrfu", "ours:lru", "ours:lrfu:2"):
+            for layer, hits in results[name].hits.items():
+                assert hits <= results["belady"].hits[layer], (name, layer, slots, pins)
+        if not pins and slots >= top_k:  # the manager's LRU is the baseline's when a visit fits the layer
+            assert results["ours:lru"].hits == results["lru"].hits
+
+
+@manager_required
+def test_cli_reads_gzip_and_sweeps_every_policy_named(small_trace, tmp_path):
+    packed = tmp_path / "small.txt.gz"
+    packed.write_bytes(gzip.compress(small_trace.read_bytes()))
+    done = run_cli(packed, "--slots-per-layer", 4, "--replacement", "lrfu,lru", "--sweep", "2,4,8", "--json")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["replacement"] == ["lrfu", "lru"]
+    for name in ("ours", "lru", "belady"):
+        assert 0.0 <= report[name]["hit_rate"] <= report["belady"]["hit_rate"]
+    assert report["ours"] == report["policies"]["lrfu"] and report["ours"]["replacement"] == "lrfu"
+    assert report["policies"]["lru"]["replacement"] == "lru"
+    sweep = report["sweep"]
+    assert sweep["slots_per_layer"] == [2, 4, 8] and set(sweep["policies"]) == {"lrfu", "lru"}
+    assert sweep["ours"] == sweep["policies"]["lrfu"]
+    for curve in (sweep["ours"], sweep["lru"], *sweep["policies"].values()):
+        assert len(curve) == 3 and all(rate <= best for rate, best in zip(curve, sweep["belady"]))
+    # the printed table: a header naming every curve and a row per capacity, in percent
+    header = next(index for index, line in enumerate(lines) if line.split()[:1] == ["slots"])
+    assert lines[header].split() == ["slots", "ours:lrfu", "ours:lru", "lru", "belady"]
+    rows = [lines[header + i].split() for i in (1, 2, 3)]
+    assert [row[0] for row in rows] == ["2", "4", "8"]
+    assert float(rows[1][3]) == pytest.approx(100 * report["lru"]["hit_rate"], abs=0.01)
+    # the plain file gives the same figures
+    plain = run_cli(small_trace, "--slots-per-layer", 4, "--replacement", "lrfu,lru", "--json")
+    assert json.loads(plain.stdout.strip().splitlines()[-1])["ours"] == report["ours"]
+
+
+def test_cli_refuses_an_unknown_policy(small_trace):
+    done = run_cli(small_trace, "--slots-per-layer", 2, "--replacement", "lru,mru")
+    assert done.returncode == 2 and "unknown replacement policy 'mru'" in done.stderr
+    done = run_cli(small_trace, "--slots-per-layer", 2, "--replacement", "lrfu:0")
+    assert done.returncode == 2 and "positive integer" in done.stderr
+
+
+def test_cli_defaults_to_the_system_policy(small_trace):
+    done = run_cli(small_trace, "--slots-per-layer", 2, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["replacement"] == [DEFAULT_REPLACEMENT]

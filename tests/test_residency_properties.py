@@ -2,7 +2,8 @@
 
 A hypothesis state machine drives random acquires (some with failing loads),
 held leases, fenced and stale releases, pressure correction, repins and hints,
-and checks the invariants the slab relies on after every step.
+and checks the invariants the slab relies on after every step; it runs once
+per replacement policy (`TestResidencyMachine` is the seed's `lru`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from coordinator.memory_backend import BackendProtocolError, InMemoryBackend
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ResidencyError, ResidencyPressureError, StaleLeaseError
+from shared.config import REPLACEMENT_POLICIES
 from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 
@@ -35,6 +37,8 @@ def _locate(layer: int, expert: int) -> ExpertResidencyLocation:
 
 
 class ResidencyMachine(RuleBasedStateMachine):
+    replacement = "lru"
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
@@ -71,7 +75,9 @@ class ResidencyMachine(RuleBasedStateMachine):
             backend=self.backend,
             locate=_locate,
             pinned=pins,
+            replacement=self.replacement,
         )
+        assert self.manager.replacement == self.replacement.partition(":")[0]
         if pinned:
             self.loop.run_until_complete(self.manager.preload_pinned())
             self.manager.drain_policy_telemetry()
@@ -203,6 +209,13 @@ class ResidencyMachine(RuleBasedStateMachine):
         if not self._resident(layer, cold):
             return  # the cold pin was lost to a failure injection; nothing to swap
         candidate = SimpleNamespace(layer=layer, cold_expert_id=cold, hot_expert_id=hot, gain=1)
+        if self.manager._replacement.adaptive_pins:  # the policy moves its pins itself
+            history_start = len(self.backend.counters.history)
+            with pytest.raises(ResidencyError, match="fixed pins"):
+                self.loop.run_until_complete(self.manager.apply_repin(candidate))
+            assert self.backend.counters.history[history_start:] == [] and self.manager.pinned == tuple(pins)
+            event("repin: refused under adaptive pins")
+            return
         repinned = self.loop.run_until_complete(self.manager.apply_repin(candidate))
         event("repin: swapped")
         assert (repinned.evicted_pin, repinned.admitted_pin) == (cold, hot)
@@ -253,6 +266,23 @@ class ResidencyMachine(RuleBasedStateMachine):
         assert snap.working == self.plan.working_slots
 
     @invariant()
+    def pins_are_the_pinned_slots_contents(self) -> None:
+        """Adaptive or not, the pin list keeps its size, names distinct experts of sparse layers,
+        and a pinned slot holds a pinned expert; a resident pinned expert sits in a pinned slot."""
+        if not hasattr(self, "manager"):
+            return
+        manager = self.manager
+        pins = manager.pinned
+        assert len(pins) == len(set(pins)) == self.plan.pinned_slots
+        assert all(layer in self.layer_ids for layer, _ in pins)
+        for record in manager._slots:
+            if record.role == "pinned" and record.phase != "idle":
+                assert (record.layer, record.expert_id) in pins, record
+        for key in pins:
+            if key in manager._lookup:
+                assert manager._slots[manager._lookup[key]].role == "pinned", key
+
+    @invariant()
     def hits_plus_misses_equal_requests(self) -> None:
         if not hasattr(self, "manager"):
             return
@@ -277,6 +307,25 @@ ResidencyMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestResidencyMachine = ResidencyMachine.TestCase
+
+
+class LrfuResidencyMachine(ResidencyMachine):
+    replacement = "lrfu"
+
+
+class ShortHalfLifeResidencyMachine(ResidencyMachine):
+    replacement = "lrfu:1"  # scores fall fast: pins pass between experts often
+
+
+for _machine in (LrfuResidencyMachine, ShortHalfLifeResidencyMachine):
+    _machine.TestCase.settings = ResidencyMachine.TestCase.settings
+TestLrfuResidencyMachine = LrfuResidencyMachine.TestCase
+TestShortHalfLifeResidencyMachine = ShortHalfLifeResidencyMachine.TestCase
+
+
+def test_every_replacement_policy_has_a_machine() -> None:
+    machines = (ResidencyMachine, LrfuResidencyMachine, ShortHalfLifeResidencyMachine)
+    assert {machine.replacement.partition(":")[0] for machine in machines} == set(REPLACEMENT_POLICIES)
 
 
 @given(

@@ -188,3 +188,27 @@ def test_sigterm_while_starting_stops_cleanly(model, tmp_path):
     assert process.stdout.read() == b"" and "stopped by a signal while starting" in launched.stderr()
     process.stdout.close()
     assert not run_dirs(tmp_path) and wait_for(lambda: not launched.children(), timeout=10)
+
+
+def test_replacement_flag_parses_defaults_and_refuses():
+    from shared.config import DEFAULT_REPLACEMENT
+    from supervisor.options import parse_args
+
+    base = ["--model", "m", "--memory-budget", "1GiB"]
+    assert parse_args(base).replacement == DEFAULT_REPLACEMENT
+    assert parse_args([*base, "--replacement", "lru"]).replacement == "lru"
+    assert parse_args([*base, "--replacement", "lrfu:32"]).replacement == "lrfu:32"
+    for bad in ("mru", "lru:3", "lrfu:0"):
+        with pytest.raises(SystemExit) as exited:
+            parse_args([*base, "--replacement", bad])
+        assert exited.value.code == 2
+
+
+def test_replacement_flag_reaches_the_coordinator(model, want, tmp_path):
+    """moeslab-launch --replacement → SupervisorOptions → RunConfig (config.json) → the manager."""
+    launched = launch(tmp_path, model_args(model) + ["--replacement", "lrfu:8"])
+    config = json.loads(Path(launched.ready["run_dir"], "config.json").read_text())
+    assert config["replacement"] == "lrfu:8"
+    check_tokens(run_tokens(launched.endpoint), want)
+    assert launched.signal(signal.SIGTERM) == 0, launched.stderr()[-4000:]
+    assert "replacement lrfu)" in launched.stderr()  # the coordinator's manager, by its name

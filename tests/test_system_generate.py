@@ -33,6 +33,7 @@ import pytest
 import zmq
 
 from shared.client import Client, JobFailedError
+from shared.config import REPLACEMENT_POLICIES
 from shared.demo_model import EOS_TOKEN_ID
 from shared.gpu_messages import GpuHello, RouteMatrix, Routes
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, JobFailed, TokenEvent
@@ -213,6 +214,24 @@ def test_a_gpu_worker_that_dies_or_stalls_fails_the_launch(mode, models, tmp_pat
         assert time.monotonic() - started < 30
     # what the launch created is gone; the given run directory itself stays
     assert run_dir.is_dir() and not list(run_dir.iterdir())
+
+
+@pytest.mark.parametrize("replacement", REPLACEMENT_POLICIES)
+def test_every_replacement_policy_is_token_exact(replacement, models, caplog):
+    """Two resident slots per layer and two pins, so the policy chooses victims (and, adaptive,
+    moves pins); the fence checks stay on: a victim is never a slot the GPU worker still reads."""
+    caplog.set_level(logging.INFO)
+    path = models(FAMILIES[0], False)
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    budget = tight_budget(store) + (2 + len(store.sparse_layers)) * store.slot_bytes
+    with _start(path, pinned=2, memory_budget=budget, replacement=replacement) as system:
+        assert (system.plan.slots_per_layer, system.plan.pinned_slots) == (2, 2)
+        assert system.config.replacement == replacement
+        results = [run_job(system, max_tokens=GENERATED) for _ in range(2)]
+        assert wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2)
+    assert any(f"replacement {replacement})" in record.getMessage() for record in caplog.records)
+    assert max(_check_against(result, want) for result in results) <= RTOL
 
 
 def test_stop_removes_everything_and_the_config_is_complete(models, tmp_path):

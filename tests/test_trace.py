@@ -218,3 +218,24 @@ def test_make_trace_cli_usage_profile_covers_the_earlier_tokens(tmp_path):
     assert sum(count for _, _, count in rows) == early.size
     layer0 = np.bincount(early[whole.layers[whole.tokens < 20] == 0].ravel(), minlength=12)
     assert {(e, c) for layer, e, c in rows if layer == 0} == {(e, int(c)) for e, c in enumerate(layer0) if c}
+
+
+def test_read_trace_reads_gzip_by_its_magic_not_its_name(tmp_path):
+    import gzip
+
+    trace = generate_trace(layers=2, experts=16, top_k=3, tokens=20, overlap=0.3, seed=4)
+    plain = tmp_path / "t.txt"
+    write_trace(plain, trace)
+    for name in ("t.txt.gz", "t-no-suffix"):
+        packed = tmp_path / name
+        packed.write_bytes(gzip.compress(plain.read_bytes()))
+        got = read_trace(packed)
+        assert np.array_equal(got.experts, trace.experts) and np.array_equal(got.layers, trace.layers)
+    bad = tmp_path / "bad.txt.gz"
+    bad.write_bytes(gzip.compress(b"0 0 1 2\n0 0 1 2\n"))
+    with pytest.raises(ValueError, match=r"bad\.txt\.gz line 2"):
+        read_trace(bad)
+    broken = tmp_path / "broken.gz"
+    broken.write_bytes(gzip.compress(plain.read_bytes())[:40])
+    with pytest.raises(ValueError, match=r"broken\.gz: the gzip stream ends early"):
+        read_trace(broken)

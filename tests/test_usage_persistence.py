@@ -59,7 +59,7 @@ def _auto(store: ExpertStore, usage) -> tuple[tuple[int, int], ...]:
         )
 
 
-def _run(model, usage, *, pinned=(), run_config=None):
+def _run(model, usage, *, pinned=(), run_config=None, **options):
     store = ExpertStore.open(model)
     return start_test_system(
         model,
@@ -68,6 +68,7 @@ def _run(model, usage, *, pinned=(), run_config=None):
         pinned=pinned,
         usage_file=usage,
         run_config=run_config,
+        **options,
     )
 
 
@@ -125,7 +126,8 @@ def test_live_repin_swaps_cold_pins_for_hot_experts_between_jobs(model, history,
     shutil.copy(history["usage"], usage)
     everything = [(layer, expert) for layer in store.sparse_layers for expert in range(store.experts_per_layer)]
     cold = sorted(everything, key=lambda pair: (counts.get(pair, 0), pair))[: len(store.sparse_layers)]
-    with _run(model, usage, pinned=cold) as system:
+    # The LFRU live repin moves fixed pins (the seed's `lru`); adaptive pins (`lrfu`) move themselves.
+    with _run(model, usage, pinned=cold, replacement="lru") as system:
         first = run_job(system, max_tokens=32, return_logprobs=False).done.stats
         second = run_job(system, max_tokens=32, return_logprobs=False).done.stats
         with Client(system.endpoint, timeout=30) as client:
