@@ -102,6 +102,9 @@ class LeaseService:
         self._held: _Held | None = None
         self._last_id = 0
         self._counts = _Counts()
+        # Layers the current forward step has visited (a step ends with fence(next=False)): a
+        # prediction for one of them is ignored, so a prefetch never evicts what this token used there.
+        self._step: set[int] = set()
 
     # ---------------------------------------------------------------- state
 
@@ -170,6 +173,7 @@ class LeaseService:
         # The layer is visited now: its prefetch reads for experts it does not route to can stop.
         self._manager.cancel_prefetch(layer, [expert for wave in visit.waves for expert in wave.expert_ids])
         self._counts.visits += 1
+        self._step.add(layer)
         return await self._acquire(visit, 0)
 
     def prefetch(self, message: Routes | Prefetch) -> int | ErrorReply:
@@ -189,6 +193,8 @@ class LeaseService:
             if message.prefetch_layer is None or not message.prefetch:
                 return 0
             layer, experts = message.prefetch_layer, message.prefetch
+        if layer in self._step:
+            return 0
         try:
             return self._manager.prefetch(layer, experts)
         except Exception:
@@ -228,6 +234,7 @@ class LeaseService:
         self._release(held, ended=not message.next)
         if message.next:
             return await self._acquire(held.visit, held.wave + 1)
+        self._step.clear()  # nothing is leased: the forward step is over
         return Fenced(lease_id=message.lease_id)
 
     # ------------------------------------------------------------- lifecycle

@@ -16,9 +16,10 @@ import pytest
 from coordinator.fence_checks import SCRIBBLE, FenceCheckedBackend, with_fence_checks
 from coordinator.leases import LOAD_FAILED, LeaseService
 from coordinator.memory_backend import InMemoryBackend
+from coordinator.prefetch import PrefetchBook
 from coordinator.residency import ExpertResidencyManager
 from coordinator.usage import ExpertUsageLedger
-from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, RouteMatrix, Routes
+from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, Prefetch, RouteMatrix, Routes
 from shared.plan import plan_expert_residency
 from shared.protocol import BAD_REQUEST, ErrorReply, decode, encode
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
@@ -42,7 +43,7 @@ def locate(layer: int, expert: int) -> ExpertResidencyLocation:
     )
 
 
-def make(*, working=2, per_layer=1, backend=None, usage=None):
+def make(*, working=2, per_layer=1, backend=None, usage=None, prefetch="off"):
     plan = plan_expert_residency(
         budget_bytes=10**9,
         fixed_bytes=0,
@@ -52,7 +53,14 @@ def make(*, working=2, per_layer=1, backend=None, usage=None):
         max_slots_per_layer=per_layer,
     )
     backend = backend if backend is not None else InMemoryBackend(plan.total_slots)
-    manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=LAYERS, backend=backend, locate=locate, usage=usage)
+    manager = ExpertResidencyManager(
+        plan=plan,
+        sparse_layer_ids=LAYERS,
+        backend=backend,
+        locate=locate,
+        usage=usage,
+        prefetch=PrefetchBook(mode=prefetch),
+    )
     return LeaseService(manager=manager, experts_per_layer=EXPERTS), manager, backend
 
 
@@ -324,3 +332,68 @@ def test_no_hooks_is_the_backend_itself(slab):
     assert with_fence_checks(backend, (), slab=slab) is backend
     with pytest.raises(ValueError, match="unknown test hook"):
         with_fence_checks(backend, ("scribble_everything",), slab=slab)
+
+
+# ---------------------------------------------------------------------------------------------
+# Predictions riding on routes, and the first layer's prefetch
+
+
+def _predicting(layer, rows, *, fence=None, prefetch_layer=None, prefetch=()) -> Routes:
+    message = Routes(
+        layer=layer,
+        routes=RouteMatrix(np.array(rows, dtype=np.int32)),
+        fence=fence,
+        prefetch_layer=prefetch_layer,
+        prefetch=tuple(prefetch),
+    )
+    return decode(encode(message), COORDINATOR_ACCEPTS_FROM_GPU)
+
+
+@pytest.mark.parametrize(
+    ("prefetch_layer", "prefetch", "needle"),
+    [
+        (None, (1, 2), "predict experts [1, 2] but name no prefetch_layer"),
+        (2, (1,), "prefetch layer 2 is not another sparse layer"),
+        (1, (1,), "prefetch layer 1 is not another sparse layer"),
+        (3, (1, 8), "prefetch [1, 8] must name distinct experts 0..7"),
+        (3, (4, 4), "prefetch [4, 4] must name distinct experts 0..7"),
+    ],
+)
+@run_async
+async def test_a_bad_prediction_refuses_its_routes_and_changes_nothing(prefetch_layer, prefetch, needle):
+    service, manager, backend = make(per_layer=2)
+    before = state(service, manager, backend)
+    reply = await service.handle(_predicting(1, [[0, 5]], prefetch_layer=prefetch_layer, prefetch=prefetch))
+    assert isinstance(reply, ErrorReply) and reply.code == BAD_REQUEST and needle in reply.message, reply
+    assert state(service, manager, backend) == before
+
+
+@run_async
+async def test_a_prediction_is_read_after_the_lease_and_never_for_a_layer_this_step_visited():
+    service, manager, _ = make(per_layer=2, prefetch="on")
+    message = _predicting(1, [[0, 5]], prefetch_layer=3, prefetch=(6, 7))
+    lease = await service.handle(message)
+    assert isinstance(lease, Lease) and (3, 6) not in manager._lookup  # nothing read before the reply
+    assert service.prefetch(message) == 2
+    await manager.settle_prefetch()
+    following = await service.handle(_predicting(3, [[6, 2]], fence=lease.lease_id, prefetch_layer=1, prefetch=(4,)))
+    assert isinstance(following, Lease) and following.hits == 1  # 6 was prefetched; 2 was not
+    assert service.prefetch(_predicting(3, [[6, 2]], prefetch_layer=1, prefetch=(4,))) == 0  # layer 1: visited
+    fenced = await service.handle(Fence(lease_id=following.lease_id))
+    assert isinstance(fenced, Fenced)
+    assert service.prefetch(Prefetch(layer=1, experts=(4,))) == 1  # the next step: layer 1 is not visited yet
+    await manager.settle_prefetch()
+    assert manager.prefetch_book.drain().useful == 1
+
+
+@run_async
+async def test_a_bad_first_layer_prefetch_gets_an_error_naming_it():
+    service, manager, backend = make(per_layer=2)
+    before = state(service, manager, backend)
+    for message, needle in (
+        (Prefetch(layer=2, experts=(1,)), "prefetch layer 2 is not another sparse layer"),
+        (Prefetch(layer=1, experts=(9,)), "prefetch [9] must name distinct experts 0..7"),
+    ):
+        reply = service.prefetch(message)
+        assert isinstance(reply, ErrorReply) and needle in reply.message, reply
+    assert state(service, manager, backend) == before
