@@ -44,6 +44,7 @@ class PrefetchingCore(ResidencyCore):
         self._prefetch_io = IOCounters()  # reads the prefetch path issued (not demand, not policy)
         self._prefetch_bytes: dict[int, int] = {}  # slot -> bytes its prefetch read
         self._reads: set[asyncio.Task[None]] = set()
+        self._reading: dict[int, dict[int, SlotRecord]] = {}  # layer -> slot -> its prefetch in flight
         self._table.on_prefetch_lost = self._prefetch_lost
 
     # -- the prefetch path -------------------------------------------------
@@ -76,10 +77,12 @@ class PrefetchingCore(ResidencyCore):
 
     def cancel_prefetch(self, layer: int, keep: Sequence[int]) -> int:
         """Cancel `layer`'s prefetch reads still in flight for experts not in `keep`; how many."""
+        reading = self._reading.get(layer)
+        if not reading:  # the common case: nothing of this layer is in flight
+            return 0
         wanted = set(keep)
         cancelled = 0
-        for slot in self._layer_slots.get(layer, ()):
-            record = self._slots[slot]
+        for record in list(reading.values()):
             if record.phase == "loading" and record.prefetched and record.expert_id not in wanted:
                 try:
                     self._backend.cancel(record.id, record.generation)
@@ -125,17 +128,20 @@ class PrefetchingCore(ResidencyCore):
         self._prefetch_io.read_operations += len(location.segments)
         self._prefetch_io.read_bytes += nbytes
         self.prefetch_book.issued(nbytes)
-        task = asyncio.get_running_loop().create_task(self._landed(record, generation))
+        self._reading.setdefault(layer, {})[record.id] = record
+        task = asyncio.get_running_loop().create_task(self._landed(record, layer, generation))
         self._reads.add(task)
         task.add_done_callback(self._reads.discard)
         return True
 
-    async def _landed(self, record: SlotRecord, generation: int) -> None:
+    async def _landed(self, record: SlotRecord, layer: int, generation: int) -> None:
         try:
             await self._backend.wait(record.id, generation)
             outcome: object = None
         except Exception as error:
             outcome = error
+        finally:
+            self._reading.get(layer, {}).pop(record.id, None)
         self._settle_load(record, generation, outcome)
 
     def _prefetch_used(self, record: SlotRecord, waited_ms: float | None) -> None:

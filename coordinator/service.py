@@ -259,6 +259,15 @@ class Coordinator:
         logger.info("GPU worker pid %d connected", hello.pid)
         self._welcome(identity)
 
+    def _prefetch_count(self) -> int:
+        """How many experts the GPU worker predicts per layer: none when `auto` finds every expert
+        resident (every layer's slots hold all its experts: a prediction could only cost)."""
+        plan, mode = self.config.plan, self.config.prefetch
+        if mode == "auto" and plan.slots_per_layer >= self.store.experts_per_layer:
+            logger.info("prefetch off: every expert of every layer fits its layer's slots")
+            return 0
+        return prefetch_count(mode, self.store.top_k, self.config.prefetch_margin)
+
     def _welcome(self, identity: bytes) -> None:
         plan = self.config.plan
         self._send(
@@ -270,7 +279,7 @@ class Coordinator:
                 slot_bytes=plan.slot_bytes,
                 working_slots=plan.working_slots,
                 block_size=self.store.block_size,
-                prefetch=prefetch_count(self.config.prefetch, self.store.top_k, self.config.prefetch_margin),
+                prefetch=self._prefetch_count(),
             ),
         )
 

@@ -62,3 +62,14 @@ def test_prefetch_off_predicts_and_reads_nothing(tmp_path):
     assert result.tokens == want.tokens[: len(result.tokens)]
     stats = result.done.stats
     assert (stats.prefetch_predicted, stats.prefetch_issued, stats.prefetch_bytes) == (0, 0, 0)
+
+
+def test_auto_predicts_nothing_when_every_expert_is_resident(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    path = write_tiny_model(tmp_path / "m", family=FAMILIES[0])
+    want = oracle(path, PROMPT, GENERATED)
+    with start_test_system(path, budget="all_resident") as system:  # prefetch: auto, the default
+        result = run_job(system, max_tokens=GENERATED, return_logprobs=False)
+    assert result.tokens == want.tokens[: len(result.tokens)]
+    assert result.done.stats.prefetch_predicted == 0
+    assert "prefetch off: every expert of every layer fits its layer's slots" in caplog.text
