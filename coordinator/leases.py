@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.residency import ExpertResidencyManager
-from coordinator.residency_core import ExpertBatchLease
+from coordinator.residency_types import ExpertBatchLease
 from shared.gpu_messages import Fence, Fenced, Lease, Prefetch, Routes
 from shared.protocol import BAD_REQUEST, INTERNAL, ErrorReply
 from shared.waves import ExpertUnionWave, build_expert_batch_union
@@ -105,6 +105,7 @@ class LeaseService:
         # Layers the current forward step has visited (a step ends with fence(next=False)): a
         # prediction for one of them is ignored, so a prefetch never evicts what this token used there.
         self._step: set[int] = set()
+        self._predicted: dict[int, frozenset[int]] = {}  # layer -> the experts its last prediction named
 
     # ---------------------------------------------------------------- state
 
@@ -174,20 +175,24 @@ class LeaseService:
         self._manager.cancel_prefetch(layer, [expert for wave in visit.waves for expert in wave.expert_ids])
         self._counts.visits += 1
         self._step.add(layer)
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None and routes.shape[0] == 1:  # how good was the prediction (decode steps)
+            routed = set(routes.reshape(-1).tolist())
+            self._manager.prefetch_book.scored(len(routed & predicted), len(routed))
         return await self._acquire(visit, 0)
 
-    def prefetch(self, message: Routes | Prefetch) -> int | ErrorReply:
+    def prefetch(self, message: Routes | Prefetch) -> int:
         """Start the reads a prediction asks for; how many were issued. A `routes`' prediction runs
         after its lease was answered (the demand reads go first) and was checked with it; a
-        `prefetch` message is checked here (an `error` names a bad value). Advisory: a failure to
-        read is logged, nothing else."""
+        `prefetch` message, which is never answered (the worker waits for no reply), is checked
+        here and a bad one is logged and counted as refused. A failure to read is logged."""
         if isinstance(message, Prefetch):
             try:
                 self._check_prediction(f"prefetch for layer {message.layer}", message.layer, None, message.experts)
             except LeaseRefused as refusal:
                 self._counts.refused += 1
-                logger.warning("refused prefetch: %s", refusal.message)
-                return ErrorReply(code=refusal.code, message=refusal.message)
+                logger.warning("ignored prefetch: %s", refusal.message)
+                return 0
             layer, experts = message.layer, message.experts
         else:
             if message.prefetch_layer is None or not message.prefetch:
@@ -195,6 +200,7 @@ class LeaseService:
             layer, experts = message.prefetch_layer, message.prefetch
         if layer in self._step:
             return 0
+        self._predicted[layer] = frozenset(experts)
         try:
             return self._manager.prefetch(layer, experts)
         except Exception:

@@ -98,6 +98,10 @@ class MeteredBackend:
         self._inner.submit_segments(slot, generation, segments)  # type: ignore[attr-defined]
         self._timer.submitted(slot, generation)
 
+    def untimed(self, slot: int, generation: int) -> None:
+        """A load that is no demand wave's (a prefetch): its disk time and wait are not sampled."""
+        self._timer.forget(slot, generation)
+
     async def wait(self, slot: int, generation: int) -> None:
         self._timer.wait_started()
         try:

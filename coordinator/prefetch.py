@@ -8,11 +8,14 @@ what became of each prefetched expert: *useful* when a demand lease took it
 before it was evicted (waiting for it if its read was still in flight),
 *wasted* when it was evicted, cancelled or failed first.
 
-Adaptive (`auto`): a wasted read costs the disk what a demand miss costs, and
-may delay the demand reads behind it; a useful one saves a demand read. A
-layer whose prefetches, over the last `window` of them, were used less often
-than `break_even` stops being prefetched, and the log says so. `on` never
-stops; `off` never predicts.
+Adaptive (`auto`): a useful prefetch saves a demand read on the critical path
+(the layer waits for it); a wasted one costs disk time off the critical path,
+read while a layer computes, and delays a demand read only when the disk is
+still busy with it. So a prefetch pays even when most of a layer's reads are
+wasted, as long as the disk has the time: break-even is well below one half.
+A layer whose prefetches, over the last `window` of them, were used less often
+than `break_even` (a quarter) stops being prefetched, and the log says so.
+`on` never stops; `off` never predicts.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.config import PREFETCH_MODES
+from shared.gpu_messages import MAX_PREFETCH
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ def prefetch_count(mode: str, top_k: int, margin: int | None) -> int:
         raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {mode!r}")
     if mode == "off":
         return 0
-    return top_k + (-(-top_k // 4) if margin is None else margin)
+    return min(MAX_PREFETCH, top_k + (-(-top_k // 4) if margin is None else margin))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +59,18 @@ class PrefetchTelemetry:
     wasted_bytes: int = 0
     waits: int = 0  # demand leases that waited for a prefetch still reading
     wait_ms: float = 0.0  # ... and how long they waited in all
+    predicted_routed: int = 0  # decode selections that were in the layer's prediction
+    routed: int = 0  # decode selections of predicted layers
     disabled_layers: tuple[int, ...] = ()  # layers whose prefetch stopped itself (so far in the run)
 
     @property
     def precision(self) -> float:
         return self.useful / self.issued if self.issued else 0.0
+
+    @property
+    def prediction_recall(self) -> float:
+        """The share of a predicted layer's decode selections its prediction named (Colibri's measure)."""
+        return self.predicted_routed / self.routed if self.routed else 0.0
 
     def recall(self, demand_misses: int) -> float:
         """The share of would-be demand misses a prefetch avoided or shortened."""
@@ -77,6 +88,8 @@ class PrefetchTelemetry:
             wasted_bytes=self.wasted_bytes + other.wasted_bytes,
             waits=self.waits + other.waits,
             wait_ms=self.wait_ms + other.wait_ms,
+            predicted_routed=self.predicted_routed + other.predicted_routed,
+            routed=self.routed + other.routed,
             disabled_layers=other.disabled_layers,
         )
 
@@ -91,6 +104,8 @@ class _Counts:
     wasted_bytes: int = 0
     waits: int = 0
     wait_ms: float = 0.0
+    predicted_routed: int = 0
+    routed: int = 0
 
 
 @dataclass(slots=True)
@@ -113,6 +128,11 @@ class PrefetchBook:
 
     def predicted(self, count: int) -> None:
         self._counts.predicted += count
+
+    def scored(self, named: int, routed: int) -> None:
+        """A predicted layer was visited: `named` of its `routed` decode selections were predicted."""
+        self._counts.predicted_routed += named
+        self._counts.routed += routed
 
     def issued(self, nbytes: int) -> None:
         self._counts.issued += 1
@@ -142,6 +162,8 @@ class PrefetchBook:
             wasted_bytes=counts.wasted_bytes,
             waits=counts.waits,
             wait_ms=counts.wait_ms,
+            predicted_routed=counts.predicted_routed,
+            routed=counts.routed,
             disabled_layers=tuple(sorted(self._disabled)),
         )
 

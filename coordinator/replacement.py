@@ -1,12 +1,13 @@
 """Replacement policies: which resident expert a promoted miss replaces, and which experts hold the pins.
 
-The residency core (coordinator.residency_core) consults its policy at two points and nowhere
+The residency core (coordinator.residency_core) consults its policy at three points and nowhere
 else: `touch` after every demand wave it leased (the experts the wave used, hits and misses),
-and the victim choice at the wave's fenced release, where the smallest `eviction_key` among
+the victim choice at the wave's fenced release, where the smallest `eviction_key` among
 the layer's ready, unleased slots goes first (idle slots always go before any of them: the
-core's rule) and `admit` may keep a miss out. The core's invariants do not depend on the
-policy: it only ever ranks slots the core offers (never leased, never loading, never one of
-the wave's own slots).
+core's rule) and `admit` may keep a miss out, and the same victim choice (`choose_victim`)
+when a prefetch needs a slot (coordinator.residency_prefetch). The core's invariants do not
+depend on the policy: it only ever ranks slots the core offers (never leased, never loading,
+never one of the wave's own slots).
 
 - `lru` is the seed's policy, kept as the manager's default so its semantics stay checkable:
   least recently used first, pins fixed (moved only by the LFRU live repin at safe points).

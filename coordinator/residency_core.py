@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from coordinator.replacement import ReplacementPolicy, choose_victim, replacement_policy
 from coordinator.residency_backend import ExpertResidencyBackend
 from coordinator.residency_types import (
     Classification,
+    ExpertBatchLease,
     ExpertDemandTelemetry,
     ExpertPolicyTelemetry,
     ExpertResidencyLeaseEntry,
@@ -40,28 +41,6 @@ from shared.segments import ExpertResidencyLocation
 
 Locate = Callable[[int, int], ExpertResidencyLocation]
 BeforeMissSubmit = Callable[[tuple[ExpertResidencyLeaseEntry, ...]], Awaitable[None] | None]
-
-
-class ExpertBatchLease:
-    """The slots of one wave; release exactly once, after the fence."""
-
-    def __init__(self, manager: ResidencyCore, entries: Iterable[ExpertResidencyLeaseEntry]) -> None:
-        self._manager: ResidencyCore | None = manager
-        self.entries: tuple[ExpertResidencyLeaseEntry, ...] = tuple(entries)
-
-    @property
-    def released(self) -> bool:
-        return self._manager is None
-
-    def release_fenced(self) -> None:
-        """Release after every graph reading these slots was evaluated and dropped."""
-        manager = self._manager
-        if manager is None:
-            raise ResidencyError("expert batch lease has already been released")
-        try:
-            manager.release_fenced(self.entries)
-        finally:
-            self._manager = None
 
 
 class ResidencyCore:
@@ -167,73 +146,25 @@ class ResidencyCore:
         entries: list[ExpertResidencyLeaseEntry] = []
         loaded: list[SlotRecord] = []
         try:
-            in_flight: list[SlotRecord] = []
-            for expert in unique:
-                slot = self._lookup.get((layer, expert))
-                if slot is None:
-                    continue
-                record = self._slots[slot]
-                if record.phase == "loading":  # a prefetch still reading it: wait for that read, not a second
-                    in_flight.append(record)
-                    continue
-                if record.phase != "ready":
-                    raise ResidencyError(f"resident expert {layer}:{expert} is {record.phase}, not ready")
-                self._lease_hit(record, entries, None)
-            if in_flight:
-                await self._await_in_flight(in_flight, entries)
-
-            hit_ids = {entry.expert_id for entry in entries}
-            misses = [expert for expert in unique if expert not in hit_ids]
+            in_flight = self._lease_resident(layer, unique, entries)
+            waiting = {record.expert_id for record in in_flight}
+            misses = [expert for expert in unique if expert not in waiting and (layer, expert) not in self._lookup]
             if before_miss_submit is not None:
                 outcome = before_miss_submit(tuple(entries))
                 if inspect.isawaitable(outcome):
                     await outcome
-            scratch = sorted(
-                (self._slots[i] for i in self._working if self._slots[i].phase in ("idle", "ready")),
-                key=lambda record: record.id,
-            )
-            if len(scratch) < len(misses):
-                raise ResidencyError(f"working tier has {len(scratch)} free slots for {len(misses)} misses")
             submitted_at: dict[int, float] = {}
-            for expert, record in zip(misses, scratch):
-                if record.phase == "ready":
-                    self._table.forget(record)
-                location = self._locate(layer, expert)
-                if location.layer != layer or location.expert_id != expert:
-                    raise ResidencyError(
-                        f"expert locator returned {location.layer}:{location.expert_id} for {layer}:{expert}"
-                    )
-                generation = self._generation + 1
-                self._backend.submit_segments(record.id, generation, location.segments)
-                # Only a submitted load owns the slot: a refused submit leaves it idle.
-                self._generation = generation
-                record.generation = generation
-                record.layer, record.expert_id, record.phase = layer, expert, "loading"
-                loaded.append(record)
-                submitted_at[record.id] = time.perf_counter()
-                counters.loads += 1
-                counters.read_operations += len(location.segments)
-                counters.read_bytes += sum(segment.length for segment in location.segments)
-
-            failure: BaseException | None = None
-            if loaded:
-                foreground_started = time.perf_counter()
-                outcomes = await asyncio.gather(
-                    *(self._timed_wait(record, submitted_at[record.id], counters) for record in loaded),
-                    return_exceptions=True,
-                )
-                counters.foreground_wait_ms.append((time.perf_counter() - foreground_started) * 1e3)
-                for record, outcome in zip(loaded, outcomes):
-                    record.phase = "ready"
-                    if isinstance(outcome, BaseException):
-                        failure = failure or outcome
-                        continue
-                    self._lookup[(layer, record.expert_id)] = record.id
-                    self._backend.lease(record.id, record.generation, "gpu")
-                    record.phase = "leased"
-                    self._clock += 1
-                    record.last_use = self._clock
-                    entries.append(self._table.entry(record, hit=False))
+            self._submit_misses(layer, misses, loaded, submitted_at, counters)
+            # The misses read while the prefetches in flight land: neither waits for the other.
+            refetch, failure = await asyncio.gather(
+                self._await_in_flight(in_flight, entries),
+                self._land_misses(layer, loaded, submitted_at, counters, entries),
+            )
+            if refetch and failure is None:  # a prefetch read failed: its expert is a plain miss now
+                again: list[SlotRecord] = []
+                self._submit_misses(layer, refetch, again, submitted_at, counters)
+                loaded += again
+                failure = await self._land_misses(layer, again, submitted_at, counters, entries)
             if failure is not None:
                 raise failure
         except BaseException as error:
@@ -323,31 +254,96 @@ class ResidencyCore:
             record.prefetched = False
             self._prefetch_used(record, waited_ms)
 
-    async def _await_in_flight(self, records: list[SlotRecord], entries: list[ExpertResidencyLeaseEntry]) -> None:
-        """Lease the experts whose (prefetch) reads are in flight once they land; a read that fails
-        leaves its expert a plain miss, loaded again below."""
-        generations = [record.generation for record in records]
-        started = time.perf_counter()
+    def _lease_resident(
+        self, layer: int, unique: list[int], entries: list[ExpertResidencyLeaseEntry]
+    ) -> list[SlotRecord]:
+        """Lease the wave's ready residents; the ones a prefetch is still reading are returned, to wait for."""
+        in_flight: list[SlotRecord] = []
+        for expert in unique:
+            slot = self._lookup.get((layer, expert))
+            if slot is None:
+                continue
+            record = self._slots[slot]
+            if record.phase == "loading":  # a prefetch still reading it: wait for that read, not a second
+                in_flight.append(record)
+            elif record.phase != "ready":
+                raise ResidencyError(f"resident expert {layer}:{expert} is {record.phase}, not ready")
+            else:
+                self._lease_hit(record, entries, None)
+        return in_flight
+
+    def _submit_misses(
+        self,
+        layer: int,
+        misses: list[int],
+        loaded: list[SlotRecord],
+        submitted_at: dict[int, float],
+        counters: IOCounters,
+    ) -> None:
+        """Read each miss into a free slot of the working bank (`loaded` collects them)."""
+        scratch = sorted(
+            (self._slots[i] for i in self._working if self._slots[i].phase in ("idle", "ready")),
+            key=lambda record: record.id,
+        )
+        if len(scratch) < len(misses):
+            raise ResidencyError(f"working tier has {len(scratch)} free slots for {len(misses)} misses")
+        for expert, record in zip(misses, scratch):
+            if record.phase == "ready":
+                self._table.forget(record)
+            location = self._locate(layer, expert)
+            if location.layer != layer or location.expert_id != expert:
+                raise ResidencyError(
+                    f"expert locator returned {location.layer}:{location.expert_id} for {layer}:{expert}"
+                )
+            generation = self._generation + 1
+            self._backend.submit_segments(record.id, generation, location.segments)
+            # Only a submitted load owns the slot: a refused submit leaves it idle.
+            self._generation = generation
+            record.generation = generation
+            record.layer, record.expert_id, record.phase = layer, expert, "loading"
+            loaded.append(record)
+            submitted_at[record.id] = time.perf_counter()
+            counters.loads += 1
+            counters.read_operations += len(location.segments)
+            counters.read_bytes += sum(segment.length for segment in location.segments)
+
+    async def _land_misses(
+        self,
+        layer: int,
+        loaded: list[SlotRecord],
+        submitted_at: dict[int, float],
+        counters: IOCounters,
+        entries: list[ExpertResidencyLeaseEntry],
+    ) -> BaseException | None:
+        """Wait for the misses' reads and lease them; the first read error, if any (the caller raises it)."""
+        if not loaded:
+            return None
+        foreground_started = time.perf_counter()
         outcomes = await asyncio.gather(
-            *(self._backend.wait(record.id, generation) for record, generation in zip(records, generations)),
+            *(self._timed_wait(record, submitted_at[record.id], counters) for record in loaded),
             return_exceptions=True,
         )
-        waited_ms = (time.perf_counter() - started) * 1e3
-        for record, generation, outcome in zip(records, generations, outcomes):
-            self._settle_load(record, generation, outcome)
-            if record.phase == "ready" and record.generation == generation:
-                self._lease_hit(record, entries, waited_ms)
-
-    def _settle_load(self, record: SlotRecord, generation: int, outcome: object) -> None:
-        """A read into a layer slot (a prefetch) ended: its expert becomes resident, or is forgotten.
-        Idempotent: whoever sees the outcome first (the read's own waiter or a demand) settles it."""
-        if record.phase != "loading" or record.generation != generation:
-            return
-        if isinstance(outcome, BaseException):
-            record.phase = "ready"  # the backend holds the slot failed: a discard makes it idle
-            self._table.forget(record, keep_layer=True)
-        else:
+        counters.foreground_wait_ms.append((time.perf_counter() - foreground_started) * 1e3)
+        failure: BaseException | None = None
+        for record, outcome in zip(loaded, outcomes):
             record.phase = "ready"
+            if isinstance(outcome, BaseException):
+                failure = failure or outcome
+                continue
+            self._lookup[(layer, record.expert_id)] = record.id
+            self._backend.lease(record.id, record.generation, "gpu")
+            record.phase = "leased"
+            self._clock += 1
+            record.last_use = self._clock
+            entries.append(self._table.entry(record, hit=False))
+        return failure
+
+    async def _await_in_flight(self, records: list[SlotRecord], entries: list[ExpertResidencyLeaseEntry]) -> list[int]:
+        """Wait for reads in flight into resident slots (only the prefetch path starts those:
+        `coordinator.residency_prefetch`); the experts to read again as misses."""
+        if records:
+            raise ResidencyError(f"slots {[record.id for record in records]} are loading outside a wave")
+        return []
 
     def _prefetch_used(self, record: SlotRecord, waited_ms: float | None) -> None:
         """A demand lease took an expert a prefetch read (`waited_ms`: it waited for the read)."""
@@ -441,4 +437,4 @@ class ResidencyCore:
         raise error
 
 
-__all__ = ["BeforeMissSubmit", "ExpertBatchLease", "Locate", "ResidencyCore"]
+__all__ = ["BeforeMissSubmit", "Locate", "ResidencyCore"]

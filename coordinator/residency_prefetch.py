@@ -9,9 +9,11 @@
   read as its own classification (`prefetch`), and is in the lookup at once:
   a demand lease that finds it still reading waits for that read instead of
   issuing a second one (`ResidencyCore._await_in_flight`). It never touches a
-  leased or loading slot, a pinned slot, the working bank, an expert of the
-  same prediction, or a layer the active wave belongs to: the invariants of
-  the lease path hold as they are.
+  leased or loading slot, the working bank, an expert of the same
+  prediction, a pinned expert, or a layer the active wave belongs to (under a
+  policy with adaptive pins, `choose_victim` may first pass a pin on, as it
+  does for a promoted miss): the invariants of the lease path hold as they
+  are.
 - `cancel_prefetch(layer, keep)`: when a layer is visited, its reads still
   in flight for experts the visit does not route to are cancelled.
 
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 from coordinator.prefetch import PrefetchBook
 from coordinator.replacement import choose_victim
 from coordinator.residency_core import ResidencyCore
-from coordinator.residency_types import IOCounters, ResidencyError
+from coordinator.residency_types import ExpertResidencyLeaseEntry, IOCounters, ResidencyError
 from coordinator.slot_table import SlotRecord
 from shared.checks import require_int
 
@@ -62,8 +65,8 @@ class PrefetchingCore(ResidencyCore):
         protected = {self._lookup[(layer, expert)] for expert in ids if (layer, expert) in self._lookup}
         issued = 0
         for expert in ids:
-            if (layer, expert) in self._lookup:
-                continue
+            if (layer, expert) in self._lookup or (layer, expert) in self._pinned_keys:
+                continue  # resident or reading already; a pin belongs in a pinned slot, not a layer's
             victim = choose_victim(
                 self._replacement, self._table, layer, protected, pinned=(self._pinned, self._pinned_keys)
             )
@@ -97,7 +100,7 @@ class PrefetchingCore(ResidencyCore):
         return telemetry
 
     async def settle_prefetch(self) -> None:
-        """Wait until no prefetch read is in flight (tests, shutdown)."""
+        """Wait until no prefetch read is in flight (tests)."""
         while self._reads:
             await asyncio.gather(*list(self._reads), return_exceptions=True)
 
@@ -107,15 +110,23 @@ class PrefetchingCore(ResidencyCore):
         location = self._locate(layer, expert)
         if location.layer != layer or location.expert_id != expert:
             raise ResidencyError(f"expert locator returned {location.layer}:{location.expert_id} for {layer}:{expert}")
-        if record.phase == "ready":
-            self._table.forget(record, keep_layer=True)
-            self._evictions += 1
+        evicted = (record.layer, record.expert_id) if record.phase == "ready" else None
         generation = self._generation + 1
         try:
             self._backend.submit_segments(record.id, generation, location.segments)
-        except Exception as error:  # no worker can take it now: a prefetch is advisory
+        except Exception as error:  # no worker can take it now: a prefetch is advisory, and evicted nothing
             logger.info("prefetch of %d:%d not issued: %s", layer, expert, error)
             return False
+        untime = getattr(self._backend, "untimed", None)
+        if untime is not None:  # a prefetch is no demand wave: the job's disk and wait figures leave it out
+            untime(record.id, generation)
+        if evicted is not None:  # the read replaces the victim's bytes: it is evicted now
+            if self._lookup.get(evicted) == record.id:
+                del self._lookup[evicted]
+            self._evictions += 1
+            if record.prefetched:
+                record.prefetched = False
+                self._prefetch_lost(record)
         self._generation = generation
         record.generation, record.expert_id, record.phase = generation, expert, "loading"
         record.prefetched = True
@@ -143,6 +154,43 @@ class PrefetchingCore(ResidencyCore):
         finally:
             self._reading.get(layer, {}).pop(record.id, None)
         self._settle_load(record, generation, outcome)
+
+    async def _await_in_flight(  # the demand path's wait for reads in flight
+        self, records: list[SlotRecord], entries: list[ExpertResidencyLeaseEntry]
+    ) -> list[int]:
+        """Lease the experts whose (prefetch) reads are in flight once they land; the ones whose read
+        failed are returned, to be read as plain misses."""
+        if not records:
+            return []
+        generations = [record.generation for record in records]
+        experts = [record.expert_id for record in records]
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(
+            *(self._backend.wait(record.id, generation) for record, generation in zip(records, generations)),
+            return_exceptions=True,
+        )
+        waited_ms = (time.perf_counter() - started) * 1e3  # one wait, however many reads it covered
+        refetch: list[int] = []
+        for record, generation, expert, outcome in zip(records, generations, experts, outcomes):
+            self._settle_load(record, generation, outcome)
+            if record.phase == "ready" and record.generation == generation:
+                self._lease_hit(record, entries, waited_ms)
+                waited_ms = 0.0
+            else:
+                refetch.append(expert)  # type: ignore[arg-type]
+        return refetch
+
+    def _settle_load(self, record: SlotRecord, generation: int, outcome: object) -> None:
+        """A read into a layer slot (a prefetch) ended: its expert becomes resident, or is forgotten.
+        Idempotent: whoever sees the outcome first (the read's own waiter or a demand) settles it."""
+        if record.phase != "loading" or record.generation != generation:
+            return
+        record.phase = "ready"  # a failed read: the backend holds the slot failed, a discard makes it idle
+        if isinstance(outcome, BaseException):
+            errors: list[BaseException] = []
+            self._table.try_forget(record, errors)
+            for error in errors:
+                logger.warning("slot %d of a failed prefetch could not be discarded: %s", record.id, error)
 
     def _prefetch_used(self, record: SlotRecord, waited_ms: float | None) -> None:
         self._prefetch_bytes.pop(record.id, None)

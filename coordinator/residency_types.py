@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 Classification = Literal["demand", "policy"]
 
@@ -158,3 +158,31 @@ class ExpertHintTelemetry:
     errors: int
     queue_depth: int
     in_flight: int
+
+
+class _Releases(Protocol):
+    """What a lease needs of its manager (coordinator.residency_core.ResidencyCore)."""
+
+    def release_fenced(self, entries: Sequence[ExpertResidencyLeaseEntry]) -> None: ...
+
+
+class ExpertBatchLease:
+    """The slots of one wave; release exactly once, after the fence."""
+
+    def __init__(self, manager: _Releases, entries: Iterable[ExpertResidencyLeaseEntry]) -> None:
+        self._manager: _Releases | None = manager
+        self.entries: tuple[ExpertResidencyLeaseEntry, ...] = tuple(entries)
+
+    @property
+    def released(self) -> bool:
+        return self._manager is None
+
+    def release_fenced(self) -> None:
+        """Release after every graph reading these slots was evaluated and dropped."""
+        manager = self._manager
+        if manager is None:
+            raise ResidencyError("expert batch lease has already been released")
+        try:
+            manager.release_fenced(self.entries)
+        finally:
+            self._manager = None

@@ -230,10 +230,9 @@ class Coordinator:
                 self.leases.prefetch(message)
             if isinstance(reply, Fenced):  # the end of a forward step: nothing is leased
                 self._safe_point()
-        elif isinstance(message, Prefetch):  # no reply owed, unless it is refused
-            refused = self.leases.prefetch(message) if self.io_ready else 0
-            if isinstance(refused, ErrorReply):
-                self._send(self.gpu_sock, identity, refused)
+        elif isinstance(message, Prefetch):  # no reply, ever: the worker waits for none (a refusal is logged)
+            if self.io_ready:
+                self.leases.prefetch(message)
         elif isinstance(message, (Token, JobDone, JobError)):
             await self.front.on_gpu(message)
             if isinstance(message, Token):

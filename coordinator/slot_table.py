@@ -2,6 +2,7 @@
 
 The manager decides *when* a slot changes; this table keeps the records
 consistent while it does (the lookup only ever maps ready or leased slots,
+or a prefetch's slot while its read is in flight, which demand waits for;
 a layer's slot set and the working bank partition the live slots).
 """
 

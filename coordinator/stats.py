@@ -135,6 +135,7 @@ def prefetch_fields(prefetch: PrefetchTelemetry, demand_misses: int) -> dict[str
         prefetch_wasted_bytes=prefetch.wasted_bytes,
         prefetch_recall=prefetch.recall(demand_misses),
         prefetch_precision=prefetch.precision,
+        prefetch_prediction_recall=prefetch.prediction_recall,
         prefetch_waits=prefetch.waits,
         prefetch_wait_ms=prefetch.wait_ms,
         prefetch_disabled_layers=len(prefetch.disabled_layers),
@@ -206,6 +207,9 @@ class RunTotals:
         sums.disk.extend(job.disk_ms)
         sums.wait.extend(job.wait_ms)
 
+    def add_between_jobs(self, prefetch: PrefetchTelemetry) -> None:
+        self._sums.prefetch = self._sums.prefetch + prefetch
+
     def stats(self, *, now: ExpertResidencySnapshot, footprint: int, peak: int, budget: int, overhead: int) -> JobStats:
         """The cumulative `JobStats`; evictions and swaps are the manager's totals since the start."""
         sums = self._sums
@@ -259,7 +263,8 @@ class JobBook:
         self._meter.begin_job()
         self._timer.take()  # samples of the preload or a live repin belong to no job
         self._manager.drain_hint_telemetry()
-        self._manager.prefetch_book.drain()  # what the previous job's last predictions did belongs to it
+        # What prefetch did between jobs (the last job's last reads landing) counts for the run only.
+        self.totals.add_between_jobs(self._manager.prefetch_book.drain())
 
     def end(self, done: JobDone | None, *, relayed: int, wrap_path: str, io_fallback_ops: int) -> JobStats:
         """The job's `JobStats`; the job also goes into the run's totals."""

@@ -41,9 +41,19 @@ class NextLayerRouter:
     scores: Scores  # larger = more likely to be picked
     count: int  # experts to predict (top-k plus a margin)
 
+    def rank(self, x: mx.array) -> mx.array | None:
+        """This router's float32 scores for `x` (lazy, to be evaluated with the layer's routes);
+        None when the router cannot take `x` (e.g. a family whose MoE input is narrower than
+        the router's input): the caller then stops predicting this layer, and says so."""
+        try:
+            return self.scores(x).astype(mx.float32)
+        except (ValueError, TypeError) as error:
+            logger.warning("layer %d: its router cannot rank this input (%s); it is not prefetched", self.layer, error)
+            return None
+
     def predict(self, scores: mx.array) -> tuple[int, ...]:
-        """The `count` best experts of one row's evaluated scores, best first."""
-        flat = np.asarray(scores.astype(mx.float32)).reshape(-1)
+        """The `count` best experts of one row's evaluated float32 scores, best first."""
+        flat = np.asarray(scores).reshape(-1)
         count = min(self.count, flat.size)
         best = np.argpartition(-flat, count - 1)[:count]
         return tuple(best[np.argsort(-flat[best], kind="stable")].tolist())
@@ -64,10 +74,10 @@ def router_scores(block: nn.Module, num_experts: int) -> Scores | None:
     weight = router.get("weight") if isinstance(router, nn.Module) else None
     if isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts:
         # DeepSeek-V3 / GLM-4 MoEGate: sigmoid scores plus the score-correction bias pick the experts.
-        bias = router.get("e_score_correction_bias")
-
+        # The parameters are read at each call, so a later update of the module (load_weights) counts.
         def gate_scores(x: mx.array) -> mx.array:
-            scores = mx.sigmoid((x @ weight.T).astype(mx.float32))
+            scores = mx.sigmoid((x @ router["weight"].T).astype(mx.float32))
+            bias = router.get("e_score_correction_bias")
             return scores + bias if isinstance(bias, mx.array) else scores
 
         return gate_scores
@@ -108,9 +118,12 @@ class PredictingEmbedding(nn.Module):
 
     def __call__(self, ids: mx.array) -> mx.array:
         h = self.embedding(ids)
-        if ids.size == 1:
-            first = self._predict
-            scores = first.router.scores(h if first.norm is None else first.norm(h))
+        first = self._predict
+        if ids.size == 1 and first is not None:
+            scores = first.router.rank(h if first.norm is None else first.norm(h))
+            if scores is None:
+                self._predict = None  # rank() said why; the first layer is simply not prefetched
+                return h
             mx.eval(h, scores)
             self.provider.prefetch(first.router.layer, first.router.predict(scores))
         return h

@@ -265,10 +265,12 @@ class StreamedSwitch(nn.Module):
         # A decode step also ranks the next sparse layer's experts by that layer's router on x,
         # in the same evaluation: its prediction rides with this layer's routes.
         predict = self.predict if indices.size == indices.shape[-1] else None
-        if predict is not None:
-            scores = predict.scores(x)
+        scores = predict.rank(x) if predict is not None else None
+        if scores is not None:
             _evaluate(x, indices, scores)
         else:
+            if predict is not None:
+                self.predict = predict = None  # rank() said why; this layer stops predicting
             _evaluate(x, indices)
         routes = np.array(indices, copy=True).astype(np.int32).reshape(-1, indices.shape[-1])
         if routes.size and (routes.min() < 0 or routes.max() >= self.num_experts):

@@ -164,6 +164,7 @@ def _prefetch_summary(mode: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
         "mode": mode,
         "recall": median([job["prefetch"]["recall"] for job in jobs]),
         "precision": median([job["prefetch"]["precision"] for job in jobs]),
+        "prediction_recall": median([job["prefetch"]["prediction_recall"] for job in jobs]),
         "predicted_per_token": per_token("predicted"),
         "issued_per_token": per_token("issued"),
         "useful_per_token": per_token("useful"),

@@ -243,6 +243,8 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"queue_limit must be >= 1, got {config.queue_limit}")
     if config.io_staging not in STAGING_MODES:
         raise ConfigError(f"io_staging must be one of {STAGING_MODES}, got {config.io_staging!r}")
+    if config.prefetch_margin is not None and not 0 <= config.prefetch_margin <= 64:
+        raise ConfigError(f"prefetch_margin must be in [0, 64], got {config.prefetch_margin}")
     if config.prefetch not in PREFETCH_MODES:
         raise ConfigError(f"prefetch must be one of {PREFETCH_MODES}, got {config.prefetch!r}")
     if config.compute_lanes is not None:

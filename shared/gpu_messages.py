@@ -159,7 +159,8 @@ class Fence:
 @dataclass(frozen=True, slots=True)
 class Prefetch:
     """Experts predicted for a sparse layer before any `routes` could carry them (the first
-    sparse layer, predicted from the token's embedding). No reply is owed."""
+    sparse layer, predicted from the token's embedding). Never answered, not even when refused
+    (the coordinator logs that): the worker waits for no reply to it."""
 
     OP: ClassVar[str] = "prefetch"
     layer: int

@@ -117,6 +117,7 @@ class JobStats:
     prefetch_wasted_bytes: int = 0
     prefetch_recall: float = 0.0  # useful / (useful + demand misses): the misses prefetch avoided or shortened
     prefetch_precision: float = 0.0  # useful / issued
+    prefetch_prediction_recall: float = 0.0  # share of a predicted layer's decode selections the prediction named
     prefetch_waits: int = 0  # demand leases that waited for a prefetch read in flight
     prefetch_wait_ms: float = 0.0
     prefetch_disabled_layers: int = 0  # layers whose prefetch stopped itself (auto)

@@ -387,13 +387,18 @@ async def test_a_prediction_is_read_after_the_lease_and_never_for_a_layer_this_s
 
 
 @run_async
-async def test_a_bad_first_layer_prefetch_gets_an_error_naming_it():
+async def test_a_bad_first_layer_prefetch_is_ignored_with_a_warning_naming_it(caplog):
+    """A `prefetch` message is never answered (the worker waits for no reply): a bad one is
+    logged with the offending value, counted as refused, and changes nothing."""
     service, manager, backend = make(per_layer=2)
     before = state(service, manager, backend)
     for message, needle in (
         (Prefetch(layer=2, experts=(1,)), "prefetch layer 2 is not another sparse layer"),
         (Prefetch(layer=1, experts=(9,)), "prefetch [9] must name distinct experts 0..7"),
     ):
-        reply = service.prefetch(message)
-        assert isinstance(reply, ErrorReply) and needle in reply.message, reply
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="coordinator.leases"):
+            assert service.prefetch(message) == 0
+        assert any(needle in record.getMessage() for record in caplog.records), caplog.text
     assert state(service, manager, backend) == before
+    assert service.end_job().refused == 2

@@ -169,3 +169,32 @@ def test_a_predicting_streamed_model_computes_the_same_and_predicts_in_decode_on
         else:
             following = info.sparse_layers[info.sparse_layers.index(layer) + 1]
             assert prefetch[0] == following and len(prefetch[1]) == 5 and len(set(prefetch[1])) == 5
+
+
+def test_a_router_that_cannot_take_its_input_stops_predicting_its_layer_and_says_so(tmp_path, caplog):
+    """A family whose MoE input is not the router's input (e.g. a latent MoE) must not break decode:
+    the layer is no longer predicted, a warning names it, and the output is unchanged."""
+    path = write_tiny_model(tmp_path, family="qwen3_moe", num_hidden_layers=3)
+    reference, _ = load_model(path)
+    experts = {layer: dict(tree_flatten(block[key].parameters())) for layer, (block, key) in _blocks(reference).items()}
+    plain, predicting = _Provider(experts), _Provider(experts)
+    model, info = load_streamed_model(path, provider=plain)
+    model_p, _ = load_streamed_model(path, provider=predicting, predict=4)
+    first_switch = streamed_switches(model_p)[0]
+    hidden = int(reference.args.hidden_size)
+    wrong = nn.Linear(hidden + 3, 8)  # takes a wider input than the MoE block is given
+    first_switch.predict = NextLayerRouter(first_switch.predict.layer, wrong, 4)
+    embedding = next(module for _, module in model_p.named_modules() if isinstance(module, PredictingEmbedding))
+    embedding._predict = type(embedding._predict)(NextLayerRouter(info.sparse_layers[0], wrong, 4), None)
+    with caplog.at_level("WARNING", logger="gpuworker.prediction"):
+        got = generate_steps(model_p, PROMPT, 4)
+    want = generate_steps(model, PROMPT, 4)
+    assert want.tokens == got.tokens
+    assert first_switch.predict is None and embedding._predict is None
+    assert not predicting.first  # the first layer was never predicted
+    decode = [call for call in predicting.calls if call[1] == 1]
+    first, second, _ = info.sparse_layers
+    assert all(prefetch is None for layer, _, prefetch in decode if layer == first)
+    assert all(prefetch is not None for layer, _, prefetch in decode if layer == second)  # still predicts
+    warned = [r.getMessage() for r in caplog.records if "cannot rank" in r.getMessage()]
+    assert sorted(w.split(":")[0] for w in warned) == sorted([f"layer {first}", f"layer {second}"])

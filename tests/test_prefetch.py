@@ -17,11 +17,13 @@ import functools
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from coordinator.memory_backend import InMemoryBackend
+from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.prefetch import PrefetchBook, prefetch_count
 from coordinator.residency import ExpertResidencyManager
+from coordinator.residency_types import ResidencyPressureError
 from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 
@@ -38,7 +40,7 @@ def locate(layer: int, expert: int) -> ExpertResidencyLocation:
     return ExpertResidencyLocation(layer, expert, (ExpertIOSegment(layer, expert * 100, 10 + expert, 0),))
 
 
-def make(*, layers=(0, 1), working=2, per_layer=3, mode="on", manual=False, window=64):
+def make(*, layers=(0, 1), working=2, per_layer=3, mode="on", manual=False, window=64, meter=None):
     plan = plan_expert_residency(
         budget_bytes=working + len(layers) * per_layer,
         fixed_bytes=0,
@@ -48,8 +50,9 @@ def make(*, layers=(0, 1), working=2, per_layer=3, mode="on", manual=False, wind
     )
     backend = InMemoryBackend(plan.total_slots, manual=manual)
     book = PrefetchBook(mode=mode, window=window)
+    served = backend if meter is None else MeteredBackend(backend, slab=None, timer=meter, footprint=lambda: 0)
     manager = ExpertResidencyManager(
-        plan=plan, sparse_layer_ids=list(layers), backend=backend, locate=locate, prefetch=book
+        plan=plan, sparse_layer_ids=list(layers), backend=served, locate=locate, prefetch=book
     )
     return manager, backend, book
 
@@ -97,6 +100,42 @@ async def test_a_demand_lease_waits_for_a_prefetch_in_flight_instead_of_reading_
     lease.release_fenced()
     telemetry = book.drain()
     assert (telemetry.useful, telemetry.waits) == (1, 1) and telemetry.wait_ms > 0
+
+
+@run_async
+async def test_a_demand_reads_its_misses_while_it_waits_for_prefetches_in_flight():
+    manager, backend, book = make(manual=True, working=3)
+    manager.prefetch(0, [1, 2])
+    prefetched = {manager._lookup[(0, 1)], manager._lookup[(0, 2)]}
+    demand = asyncio.ensure_future(manager.acquire_block(0, [1, 2, 3]))
+    await asyncio.sleep(0.01)
+    reading = {slot for slot, _ in backend.pending()}
+    assert prefetched < reading and len(reading - prefetched) == 1  # the miss is on its way already
+    for slot, generation in backend.pending():
+        backend.complete(slot, generation)
+    lease = await asyncio.wait_for(demand, 5)
+    assert sorted((entry.expert_id, entry.hit) for entry in lease.entries) == [(1, True), (2, True), (3, False)]
+    lease.release_fenced()
+    telemetry = book.drain()
+    assert (telemetry.useful, telemetry.waits) == (2, 2)
+
+
+@run_async
+async def test_prefetch_reads_are_left_out_of_the_jobs_disk_and_wait_figures():
+    timer = LoadTimer()
+    manager, inner, _book = make(manual=True, meter=timer)
+    manager.prefetch(1, [4, 5])
+    for slot, generation in inner.pending():
+        inner.complete(slot, generation)
+    await manager.settle_prefetch()
+    assert timer.take() == ((), ())  # prefetches are nobody's foreground wait
+    demand = asyncio.ensure_future(manager.acquire_block(1, [4, 6]))
+    await asyncio.sleep(0.01)
+    for slot, generation in inner.pending():
+        inner.complete(slot, generation)
+    (await asyncio.wait_for(demand, 5)).release_fenced()
+    disk, wait = timer.take()
+    assert len(disk) == 1 and len(wait) == 1  # the one demand miss (6), one wave
 
 
 @run_async
@@ -172,6 +211,29 @@ async def test_off_predicts_nothing():
     assert book.drain().predicted == 1
 
 
+def complete_all(backend: InMemoryBackend) -> None:
+    """Finish every read in flight (a manual backend)."""
+    for slot, generation in backend.pending():
+        backend.complete(slot, generation)
+
+
+def check_lookup(manager: ExpertResidencyManager) -> None:
+    """The lookup maps each expert to one slot, and that slot holds it (loading or resident)."""
+    for (layer, expert), slot in manager._lookup.items():
+        record = manager._slots[slot]
+        assert (record.layer, record.expert_id) == (layer, expert) and record.phase != "idle"
+    assert len(set(manager._lookup.values())) == len(manager._lookup)
+
+
+def run_in(loop: asyncio.AbstractEventLoop, call):
+    """`call()` inside `loop` (the prefetch path starts tasks on the running loop)."""
+
+    async def run():
+        return call()
+
+    return loop.run_until_complete(run())
+
+
 class PrefetchMachine(RuleBasedStateMachine):
     """Demand waves, fences, prefetches, cancels and read completions in any order (manual backend)."""
 
@@ -185,7 +247,7 @@ class PrefetchMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for _ in range(100):  # let every read land and every task finish (a demand may read again)
-            self._complete_all()
+            complete_all(self.backend)
             self._spin()
             if (self.pending is None or self.pending.done()) and not self.manager._reads:
                 break
@@ -193,20 +255,8 @@ class PrefetchMachine(RuleBasedStateMachine):
             self.pending.exception()
         self.loop.close()
 
-    def _complete_all(self) -> None:
-        for slot in range(self.backend.slots):
-            state, generation = self.backend.state(slot)[:2]
-            if state == "loading":
-                self.backend.complete(slot, generation)
-
     def _spin(self) -> None:
         self.loop.run_until_complete(asyncio.sleep(0))
-
-    def _in_loop(self, call):
-        async def run():
-            return call()
-
-        return self.loop.run_until_complete(run())
 
     @precondition(lambda self: self.lease is None and self.pending is None)
     @rule(layer=st.integers(0, 2), experts=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True))
@@ -216,7 +266,7 @@ class PrefetchMachine(RuleBasedStateMachine):
 
     @rule()
     def complete_reads(self):
-        self._complete_all()
+        complete_all(self.backend)
         for _ in range(3):
             self._spin()
         if self.pending is not None and self.pending.done():
@@ -232,7 +282,7 @@ class PrefetchMachine(RuleBasedStateMachine):
 
     @rule(layer=st.integers(0, 2), experts=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True))
     def prefetch(self, layer, experts):
-        self._in_loop(lambda: self.manager.prefetch(layer, experts))
+        run_in(self.loop, lambda: self.manager.prefetch(layer, experts))
         self._spin()
 
     @rule(layer=st.integers(0, 2), keep=st.lists(st.integers(0, 5), max_size=3))
@@ -247,13 +297,146 @@ class PrefetchMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_lookup_maps_each_expert_to_one_slot_holding_it(self):
-        for (layer, expert), slot in self.manager._lookup.items():
-            record = self.manager._slots[slot]
-            assert (record.layer, record.expert_id) == (layer, expert) and record.phase != "idle"
-        assert len(set(self.manager._lookup.values())) == len(self.manager._lookup)
+        check_lookup(self.manager)
 
 
 PrefetchMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_prefetch_state_machine = PrefetchMachine.TestCase
+
+
+class PinnedPrefetchMachine(RuleBasedStateMachine):
+    """The prefetch path with everything else the lease path does: pins, a replacement policy
+    (drawn), reads that fail, demand waves abandoned mid-read, and pressure correction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.backend: InMemoryBackend | None = None
+        self.lease = None
+        self.held: dict[int, int] = {}
+        self.pending: asyncio.Future | None = None
+
+    @initialize(replacement=st.sampled_from(["lru", "lrfu", "lrfu:1"]))
+    def start(self, replacement):
+        plan = plan_expert_residency(
+            budget_bytes=3 + 3 * 2 + 3, fixed_bytes=0, slot_bytes=1, sparse_layers=3, working_slots=3, pinned_experts=3
+        )
+        self.backend = InMemoryBackend(plan.total_slots)
+        self.manager = ExpertResidencyManager(
+            plan=plan,
+            sparse_layer_ids=[0, 1, 2],
+            backend=self.backend,
+            locate=locate,
+            pinned=[(0, 0), (1, 1), (2, 2)],
+            replacement=replacement,
+            prefetch=PrefetchBook(mode="on"),
+        )
+        self.loop.run_until_complete(self.manager.preload_pinned())
+        self.backend.manual = True
+
+    def teardown(self) -> None:
+        for _ in range(100):
+            if self.backend is not None:
+                complete_all(self.backend)
+            self._spin()
+        if self.pending is not None and self.pending.done() and not self.pending.cancelled():
+            self.pending.exception()
+        self.loop.close()
+
+    def _spin(self) -> None:
+        self.loop.run_until_complete(asyncio.sleep(0))
+
+    @precondition(lambda self: self.lease is None and self.pending is None)
+    @rule(layer=st.integers(0, 2), experts=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True))
+    def demand(self, layer, experts):
+        self.pending = asyncio.ensure_future(self.manager.acquire_block(layer, experts), loop=self.loop)
+        self._spin()
+
+    @rule(fail=st.booleans())
+    def complete_reads(self, fail):
+        if fail:
+            self.backend.fail_load(lambda slot, segments: True)
+        complete_all(self.backend)
+        for _ in range(3):
+            self._spin()
+        if self.pending is not None and self.pending.done():
+            error = self.pending.exception()
+            if error is None:
+                self.lease = self.pending.result()
+                self.held = {entry.slot: entry.generation for entry in self.lease.entries}
+            else:
+                assert isinstance(error, OSError), error  # a failed read fails its wave, nothing else
+            self.pending = None
+
+    @precondition(lambda self: self.lease is not None)
+    @rule()
+    def fence(self):
+        self.lease.release_fenced()
+        self.lease, self.held = None, {}
+
+    @rule(layer=st.integers(0, 2), experts=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True))
+    def prefetch(self, layer, experts):
+        run_in(self.loop, lambda: self.manager.prefetch(layer, experts))
+        self._spin()
+
+    @rule(layer=st.integers(0, 2), keep=st.lists(st.integers(0, 5), max_size=3))
+    def cancel(self, layer, keep):
+        self.manager.cancel_prefetch(layer, keep)
+        self._spin()
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def abandon(self):
+        """The worker went away mid-read: the demand wave is cancelled."""
+        if self.pending.done():
+            if self.pending.exception() is None:
+                self.pending.result().release_fenced()
+        else:
+            self.pending.cancel()
+            for _ in range(40):
+                self._spin()
+            assert self.pending.done()
+        self.pending = None
+
+    @precondition(lambda self: self.lease is None and self.pending is None)
+    @rule(over=st.booleans())
+    def pressure(self, over):
+        """A footprint measured over the budget shrinks the layers (for the run); one under it does nothing."""
+        before = self.manager.snapshot().pressure_evictions
+        self.backend.footprint = 10**6 if over else 0
+        try:
+            self.manager.correct_for_pressure()
+        except ResidencyPressureError:
+            assert over  # every layer is down to its one slot: the pressure cannot be met
+        finally:
+            self.backend.footprint = None
+        if not over:
+            assert self.manager.snapshot().pressure_evictions == before
+
+    @invariant()
+    def demand_leases_are_untouched(self):
+        for slot, generation in self.held.items():
+            assert self.backend.state(slot)[:2] == ("leased", generation)
+
+    @invariant()
+    def the_lookup_maps_each_expert_to_one_slot_holding_it(self):
+        if self.backend is not None:
+            check_lookup(self.manager)
+
+    @invariant()
+    def a_resident_pin_lives_in_a_pinned_slot(self):
+        if self.backend is None:
+            return
+        pins = self.manager.pinned
+        assert len(pins) == len(set(pins)), pins
+        for key in pins:
+            if key in self.manager._lookup:
+                assert self.manager._slots[self.manager._lookup[key]].role == "pinned", key
+
+
+PinnedPrefetchMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_prefetch_with_pins_failures_and_pressure = PinnedPrefetchMachine.TestCase

@@ -1,4 +1,4 @@
-"""The msgpack wire machinery and the I/O worker messages."""
+"""The msgpack wire machinery, the I/O worker messages and the GPU worker's predictions."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import protocol
+from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, MAX_PREFETCH, Prefetch, RouteMatrix, Routes
 from shared.io_messages import (
     MAX_SEGMENTS,
     WORKER_COMMANDS,
@@ -164,3 +166,23 @@ def test_garbage_never_escapes_as_another_exception(data):
         decode(data, WORKER_COMMANDS)
     except ProtocolError:
         pass
+
+
+def test_predictions_travel_with_routes_and_as_prefetch_messages():
+    """The GPU worker's predictions: on `routes` (prefetch_layer + prefetch) and as `prefetch`."""
+    message = Prefetch(layer=3, experts=(7, 1, 4))
+    assert decode(encode(message), COORDINATOR_ACCEPTS_FROM_GPU) == message
+    assert msgpack.unpackb(encode(message)) == {"op": "prefetch", "layer": 3, "experts": [7, 1, 4]}
+    routes = Routes(layer=2, routes=RouteMatrix(np.array([[1, 5]], dtype=np.int32)), prefetch_layer=3, prefetch=(4, 0))
+    back = decode(encode(routes), COORDINATOR_ACCEPTS_FROM_GPU)
+    assert (back.layer, back.prefetch_layer, back.prefetch) == (2, 3, (4, 0))
+    assert np.array_equal(back.routes.array, routes.routes.array)
+    for frame, fragment in (
+        (_frame(op="prefetch", layer=3, experts=[1, "2"]), "must be an integer, got '2'"),
+        (_frame(op="prefetch", layer=-1, experts=[1]), "prefetch.layer must be >= 0, got -1"),
+        (_frame(op="prefetch", layer=3, experts=list(range(MAX_PREFETCH + 1))), "at most"),
+        (_frame(op="prefetch", experts=[1]), "missing field 'layer'"),
+    ):
+        with pytest.raises(ProtocolError) as caught:
+            decode(frame, COORDINATOR_ACCEPTS_FROM_GPU)
+        assert caught.value.code == "bad_field" and fragment in caught.value.message, caught.value.message

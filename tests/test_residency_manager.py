@@ -16,8 +16,8 @@ import pytest
 
 from coordinator.memory_backend import BackendProtocolError, InMemoryBackend
 from coordinator.residency import ExpertResidencyManager
-from coordinator.residency_core import ExpertBatchLease
 from coordinator.residency_types import (
+    ExpertBatchLease,
     ExpertRepinEvent,
     ExpertResidencyLeaseEntry,
     ResidencyError,
