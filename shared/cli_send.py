@@ -87,9 +87,11 @@ def format_stats(done: Done) -> str:
         f"read {_mib(stats.bytes_read)}",
     ]
     if stats.prefetch_issued:
+        stopped = stats.prefetch_disabled_layers
         parts.append(
             f"prefetch {_mib(stats.prefetch_bytes)}: recall {stats.prefetch_recall:.0%}, "
             f"precision {stats.prefetch_precision:.0%}"
+            + (f", stopped on {stopped} layer{'s' if stopped != 1 else ''} (auto)" if stopped else "")
         )
     parts += [
         f"footprint {_mib(stats.footprint_bytes)} (peak {_mib(stats.peak_footprint_bytes)})"

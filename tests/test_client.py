@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -398,6 +399,23 @@ def test_cli_streams_text_then_stats(fake, capsys):
     assert out == "Hello\n"
     assert "2 tokens" in err and "hit rate 75.0%" in err and "decode 33.2 tok/s" in err
     assert "read 3.0 MiB" in err and "150.0 MiB" in err and "budget 192.0 MiB" in err
+
+
+def test_the_summary_line_says_what_prefetch_read_and_where_auto_stopped_it():
+    plain = cli_send.format_stats(Done(id="a", tokens=(1,), stats=STATS))
+    assert "prefetch" not in plain  # nothing prefetched: nothing said
+    for stopped, tail in ((0, "precision 50%"), (1, "stopped on 1 layer (auto)"), (3, "stopped on 3 layers (auto)")):
+        stats = dataclasses.replace(
+            STATS,
+            prefetch_issued=8,
+            prefetch_bytes=4 << 20,
+            prefetch_recall=0.25,
+            prefetch_precision=0.5,
+            prefetch_disabled_layers=stopped,
+        )
+        line = cli_send.format_stats(Done(id="a", tokens=(1,), stats=stats))
+        assert "prefetch 4.0 MiB: recall 25%, precision 50%" in line and tail in line, line
+        assert ("stopped" in line) is bool(stopped)
 
 
 @pytest.mark.parametrize(

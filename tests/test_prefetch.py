@@ -193,6 +193,7 @@ async def test_an_unused_prefetch_evicted_later_counts_as_wasted():
 
 @run_async
 async def test_auto_stops_a_layer_whose_prefetches_do_not_pay_and_on_keeps_it(caplog):
+    caplog.set_level("INFO", logger="coordinator.prefetch")
     for mode, stops in (("auto", True), ("on", False)):
         manager, _, book = make(per_layer=1, mode=mode, window=4)
         for step in range(6):
