@@ -7,9 +7,6 @@ backend that writes real bytes into a real slab.
 
 from __future__ import annotations
 
-import asyncio
-import functools
-
 import numpy as np
 import pytest
 
@@ -24,17 +21,10 @@ from shared.plan import plan_expert_residency
 from shared.protocol import BAD_REQUEST, ErrorReply, decode, encode
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import Slab
+from tests.helpers.residency import run_async
 
 LAYERS = (1, 3)
 EXPERTS = 8
-
-
-def run_async(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
 
 
 def locate(layer: int, expert: int) -> ExpertResidencyLocation:

@@ -12,28 +12,19 @@ holds is ever touched.
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from coordinator.memory_backend import InMemoryBackend
 from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.prefetch import PrefetchBook, prefetch_count
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ResidencyPressureError
-from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
-
-
-def run_async(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
+from tests.helpers.residency import one_byte_plan, run_async
 
 
 def locate(layer: int, expert: int) -> ExpertResidencyLocation:
@@ -41,13 +32,7 @@ def locate(layer: int, expert: int) -> ExpertResidencyLocation:
 
 
 def make(*, layers=(0, 1), working=2, per_layer=3, mode="on", manual=False, window=64, meter=None):
-    plan = plan_expert_residency(
-        budget_bytes=working + len(layers) * per_layer,
-        fixed_bytes=0,
-        slot_bytes=1,
-        sparse_layers=len(layers),
-        working_slots=working,
-    )
+    plan = one_byte_plan(layers=layers, working=working, per_layer=per_layer)
     backend = InMemoryBackend(plan.total_slots, manual=manual)
     book = PrefetchBook(mode=mode, window=window)
     served = backend if meter is None else MeteredBackend(backend, slab=None, timer=meter, footprint=lambda: 0)
@@ -236,15 +221,20 @@ def run_in(loop: asyncio.AbstractEventLoop, call):
 
 
 class PrefetchMachine(RuleBasedStateMachine):
-    """Demand waves, fences, prefetches, cancels and read completions in any order (manual backend)."""
+    """Demand waves, fences, prefetches, cancels and read completions (some failing) in any order
+    (manual backend); nothing a demand lease holds is ever touched."""
 
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.manager, self.backend, self.book = make(layers=(0, 1, 2), working=3, per_layer=2, manual=True)
+        self.manager, self.backend = self.start()
         self.lease = None
         self.held: dict[int, int] = {}
         self.pending: asyncio.Future | None = None
+
+    def start(self) -> tuple[ExpertResidencyManager, InMemoryBackend]:
+        manager, backend, _ = make(layers=(0, 1, 2), working=3, per_layer=2, manual=True)
+        return manager, backend
 
     def teardown(self) -> None:
         for _ in range(100):  # let every read land and every task finish (a demand may read again)
@@ -265,100 +255,10 @@ class PrefetchMachine(RuleBasedStateMachine):
         self.pending = asyncio.ensure_future(self.manager.acquire_block(layer, experts), loop=self.loop)
         self._spin()
 
-    @rule()
-    def complete_reads(self):
-        complete_all(self.backend)
-        for _ in range(3):
-            self._spin()
-        if self.pending is not None and self.pending.done():
-            self.lease = self.pending.result()
-            self.pending = None
-            self.held = {entry.slot: entry.generation for entry in self.lease.entries}
-
-    @precondition(lambda self: self.lease is not None)
-    @rule()
-    def fence(self):
-        self.lease.release_fenced()
-        self.lease, self.held = None, {}
-
-    @rule(layer=st.integers(0, 2), experts=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True))
-    def prefetch(self, layer, experts):
-        run_in(self.loop, lambda: self.manager.prefetch(layer, experts))
-        self._spin()
-
-    @rule(layer=st.integers(0, 2), keep=st.lists(st.integers(0, 5), max_size=3))
-    def cancel(self, layer, keep):
-        self.manager.cancel_prefetch(layer, keep)
-        self._spin()
-
-    @invariant()
-    def demand_leases_are_untouched(self):
-        for slot, generation in self.held.items():
-            assert self.backend.state(slot)[:2] == ("leased", generation)
-
-    @invariant()
-    def the_lookup_maps_each_expert_to_one_slot_holding_it(self):
-        check_lookup(self.manager)
-
-
-PrefetchMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-test_prefetch_state_machine = PrefetchMachine.TestCase
-
-
-class PinnedPrefetchMachine(RuleBasedStateMachine):
-    """The prefetch path with everything else the lease path does: pins, a replacement policy
-    (drawn), reads that fail, demand waves abandoned mid-read, and pressure correction."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop = asyncio.new_event_loop()
-        self.backend: InMemoryBackend | None = None
-        self.lease = None
-        self.held: dict[int, int] = {}
-        self.pending: asyncio.Future | None = None
-
-    @initialize(replacement=st.sampled_from(["lru", "lrfu", "lrfu:1"]))
-    def start(self, replacement):
-        plan = plan_expert_residency(
-            budget_bytes=3 + 3 * 2 + 3, fixed_bytes=0, slot_bytes=1, sparse_layers=3, working_slots=3, pinned_experts=3
-        )
-        self.backend = InMemoryBackend(plan.total_slots)
-        self.manager = ExpertResidencyManager(
-            plan=plan,
-            sparse_layer_ids=[0, 1, 2],
-            backend=self.backend,
-            locate=locate,
-            pinned=[(0, 0), (1, 1), (2, 2)],
-            replacement=replacement,
-            prefetch=PrefetchBook(mode="on"),
-        )
-        self.loop.run_until_complete(self.manager.preload_pinned())
-        self.backend.manual = True
-
-    def teardown(self) -> None:
-        for _ in range(100):
-            if self.backend is not None:
-                complete_all(self.backend)
-            self._spin()
-        if self.pending is not None and self.pending.done() and not self.pending.cancelled():
-            self.pending.exception()
-        self.loop.close()
-
-    def _spin(self) -> None:
-        self.loop.run_until_complete(asyncio.sleep(0))
-
-    @precondition(lambda self: self.lease is None and self.pending is None)
-    @rule(layer=st.integers(0, 2), experts=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True))
-    def demand(self, layer, experts):
-        self.pending = asyncio.ensure_future(self.manager.acquire_block(layer, experts), loop=self.loop)
-        self._spin()
-
     @rule(fail=st.booleans())
     def complete_reads(self, fail):
         if fail:
-            self.backend.fail_load(lambda slot, segments: True)
+            self.backend.fail_load(lambda slot, segments: True)  # the next read submitted fails
         complete_all(self.backend)
         for _ in range(3):
             self._spin()
@@ -386,6 +286,38 @@ class PinnedPrefetchMachine(RuleBasedStateMachine):
     def cancel(self, layer, keep):
         self.manager.cancel_prefetch(layer, keep)
         self._spin()
+
+    @invariant()
+    def demand_leases_are_untouched(self):
+        for slot, generation in self.held.items():
+            assert self.backend.state(slot)[:2] == ("leased", generation)
+
+    @invariant()
+    def the_lookup_maps_each_expert_to_one_slot_holding_it(self):
+        check_lookup(self.manager)
+
+
+class PinnedPrefetchMachine(PrefetchMachine):
+    """The same, with everything else the lease path does: pins, the replacement policy
+    `replacement`, demand waves abandoned mid-read, and pressure correction."""
+
+    replacement = "lru"
+
+    def start(self) -> tuple[ExpertResidencyManager, InMemoryBackend]:
+        plan = one_byte_plan(layers=(0, 1, 2), working=3, per_layer=2, pins=3)
+        backend = InMemoryBackend(plan.total_slots)
+        manager = ExpertResidencyManager(
+            plan=plan,
+            sparse_layer_ids=[0, 1, 2],
+            backend=backend,
+            locate=locate,
+            pinned=[(0, 0), (1, 1), (2, 2)],
+            replacement=self.replacement,
+            prefetch=PrefetchBook(mode="on"),
+        )
+        self.loop.run_until_complete(manager.preload_pinned())
+        backend.manual = True
+        return manager, backend
 
     @precondition(lambda self: self.pending is not None)
     @rule()
@@ -417,19 +349,7 @@ class PinnedPrefetchMachine(RuleBasedStateMachine):
             assert self.manager.snapshot().pressure_evictions == before
 
     @invariant()
-    def demand_leases_are_untouched(self):
-        for slot, generation in self.held.items():
-            assert self.backend.state(slot)[:2] == ("leased", generation)
-
-    @invariant()
-    def the_lookup_maps_each_expert_to_one_slot_holding_it(self):
-        if self.backend is not None:
-            check_lookup(self.manager)
-
-    @invariant()
     def a_resident_pin_lives_in_a_pinned_slot(self):
-        if self.backend is None:
-            return
         pins = self.manager.pinned
         assert len(pins) == len(set(pins)), pins
         for key in pins:
@@ -437,7 +357,19 @@ class PinnedPrefetchMachine(RuleBasedStateMachine):
                 assert self.manager._slots[self.manager._lookup[key]].role == "pinned", key
 
 
-PinnedPrefetchMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-test_prefetch_with_pins_failures_and_pressure = PinnedPrefetchMachine.TestCase
+class PinnedLRFUPrefetchMachine(PinnedPrefetchMachine):
+    replacement = "lrfu:1"  # a short half-life: pins pass on often
+
+
+def _machine_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+
+
+PrefetchMachine.TestCase.settings = _machine_settings(60)
+PinnedPrefetchMachine.TestCase.settings = _machine_settings(50)
+PinnedLRFUPrefetchMachine.TestCase.settings = _machine_settings(50)
+test_prefetch_state_machine = PrefetchMachine.TestCase
+test_prefetch_with_pins_failures_and_pressure_lru = PinnedPrefetchMachine.TestCase
+test_prefetch_with_pins_failures_and_pressure_lrfu = PinnedLRFUPrefetchMachine.TestCase

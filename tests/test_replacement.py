@@ -22,6 +22,7 @@ from coordinator.usage import ExpertUsageLedger
 from shared.config import DEFAULT_REPLACEMENT, REPLACEMENT_POLICIES, parse_replacement
 from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
+from tests.helpers.residency import one_byte_plan
 
 
 def _locate(layer: int, expert: int) -> ExpertResidencyLocation:
@@ -30,15 +31,7 @@ def _locate(layer: int, expert: int) -> ExpertResidencyLocation:
 
 
 def make(*, replacement, layers=(0,), working=2, per_layer=2, pins=(), usage=None) -> ExpertResidencyManager:
-    plan = plan_expert_residency(
-        budget_bytes=working + len(pins) + len(layers) * per_layer,
-        fixed_bytes=0,
-        slot_bytes=1,
-        sparse_layers=len(layers),
-        working_slots=working,
-        pinned_experts=len(pins),
-    )
-    assert plan.slots_per_layer == per_layer
+    plan = one_byte_plan(layers=layers, working=working, per_layer=per_layer, pins=len(pins))
     return ExpertResidencyManager(
         plan=plan,
         sparse_layer_ids=list(layers),

@@ -9,7 +9,6 @@ body runs under its own `asyncio.run` (see `run_async`).
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import numpy as np
 import pytest
@@ -27,16 +26,7 @@ from coordinator.residency_types import (
 from coordinator.usage import ExpertLfruCandidate, ExpertUsageLedger
 from shared.plan import plan_expert_residency
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment, ExpertResidencyLocation
-
-
-def run_async(fn):
-    """Run an `async def` test body in a fresh event loop."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
+from tests.helpers.residency import one_byte_plan, run_async
 
 
 def seg_bytes(expert: int) -> int:
@@ -75,15 +65,7 @@ def make(
     observer=None,
     record_history=False,
 ):
-    plan = plan_expert_residency(
-        budget_bytes=working + len(pins) + len(layers) * per_layer,
-        fixed_bytes=0,
-        slot_bytes=1,
-        sparse_layers=len(layers),
-        working_slots=working,
-        pinned_experts=len(pins),
-    )
-    assert plan.slots_per_layer == per_layer
+    plan = one_byte_plan(layers=layers, working=working, per_layer=per_layer, pins=len(pins))
     if backend is None:
         backend = InMemoryBackend(
             plan.total_slots,

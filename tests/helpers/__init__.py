@@ -8,4 +8,5 @@
   line, and what a stopped run may leave behind.
 - `footprint`: a running system's memory footprint measured from outside with psutil.
 - `raw_client`: a bare DEALER for frames the real client refuses to send.
+- `residency`: async test bodies and one-byte-slot plans for the residency manager's unit tests.
 """
