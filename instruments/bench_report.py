@@ -222,6 +222,12 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
             f"({s.get('exposed_copy_ms_per_token', 0):.1f} not overlapped; {s.get('copied_MB_per_token', 0):.1f} MB); "
             f"tokens {'match' if s['tokens_match'] else 'DIFFER'}"
         )
+        cpu = s.get("cpu_ms_per_token")
+        if cpu:
+            lines.append(
+                f"  CPU per generated token (the whole job, prefill included): GPU worker {cpu['gpu_worker']:.1f} ms, "
+                f"coordinator {cpu['coordinator']:.1f} ms, I/O workers {cpu['io_workers']:.1f} ms"
+            )
         roof = s.get("roofline")
         if roof:
             if "roofline_tok_s" in roof:

@@ -51,6 +51,29 @@ def process_rss(pids: Sequence[int]) -> int:
     return total
 
 
+def process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """Each named process's CPU time so far (user + system, seconds); a process gone counts 0."""
+    seconds: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+            seconds[name] = times.user + times.system
+        except psutil.Error:
+            seconds[name] = 0.0
+    return seconds
+
+
+def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU milliseconds per token a job cost each role: the GPU worker, the coordinator, the I/O
+    workers together. On a machine whose cores the compute needs, what the I/O path burns is
+    taken from decode; this shows how much."""
+    roles = {"gpu_worker": 0.0, "coordinator": 0.0, "io_workers": 0.0}
+    for name, end in after.items():
+        role = "gpu_worker" if name == "GPU worker" else "coordinator" if name == "coordinator" else "io_workers"
+        roles[role] += max(0.0, end - before.get(name, end))
+    return {role: 1e3 * spent / max(1, tokens) for role, spent in roles.items()}
+
+
 def total_memory() -> int:
     """The machine's physical memory in bytes."""
     return int(psutil.virtual_memory().total)

@@ -13,7 +13,7 @@ from typing import Any
 
 from instruments.figures import median
 from instruments.lease_telemetry import TELEMETRY_KEYS, TelemetryLog, summarize_telemetry
-from instruments.machine import process_rss
+from instruments.machine import cpu_ms_per_token, process_cpu_s, process_rss
 from shared.client import Client
 from shared.job_messages import TokenEvent
 from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
@@ -75,6 +75,7 @@ class System:
         warmup: bool = False,
     ) -> dict[str, Any]:
         before = self.telemetry.count()
+        cpu_before = process_cpu_s(self.system.pids)
         got, done = [], None
         with Client(self.system.endpoint, timeout=600) as client:
             for event in client.generate(prompt_tokens=prompt, max_tokens=tokens, temperature=temperature, seed=seed):
@@ -82,6 +83,7 @@ class System:
                     got.append(event.token)
                 else:
                     done = event
+        cpu = cpu_ms_per_token(cpu_before, process_cpu_s(self.system.pids), len(got))
         record = self.telemetry.wait_for(before + 1)
         self.rss = max(self.rss, process_rss(list(self.system.pids.values())))
         stats = done.stats
@@ -114,6 +116,7 @@ class System:
                 if name.startswith("prefetch_")
             },
             "telemetry": summarize_telemetry(record, expert_bytes=self.expert_bytes),
+            "cpu_ms_per_token": cpu,  # the whole job (prefill too), per generated token
         }
         self.jobs.append(job)
         return job
@@ -139,6 +142,10 @@ class System:
             "disk_p99_ms": median([job["disk_p99_ms"] for job in measured]),
             "wait_p50_ms": median([job["wait_p50_ms"] for job in measured]),
             "wait_p99_ms": median([job["wait_p99_ms"] for job in measured]),
+            "cpu_ms_per_token": {
+                role: median([job["cpu_ms_per_token"][role] for job in measured])
+                for role in ("gpu_worker", "coordinator", "io_workers")
+            },
             "bytes_read_per_token": median([job["bytes_read"] / max(job["generated"], 1) for job in measured]),
             "prefetch": _prefetch_summary(self.prefetch, measured),
             "jobs": [{k: v for k, v in job.items() if k != "tokens"} for job in self.jobs],

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from instruments.bench_report import report_lines
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,6 +76,9 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         assert 0 < part["exposed_copy_ms_per_token"] < part["copy_ms_per_token"]
         assert set(part["per_layer"]) == {"0", "1"}
         assert part["jobs"][0]["warmup"] and not part["jobs"][1]["warmup"]
+        cpu = part["cpu_ms_per_token"]
+        assert set(cpu) == {"gpu_worker", "coordinator", "io_workers"} and cpu["gpu_worker"] > 0
+        assert all(value >= 0 for value in cpu.values())
     assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0
     roofline = streaming["roofline"]
     for key in (
@@ -91,3 +96,5 @@ def test_bench_generate_reports_both_comparisons(cache, order):
     assert disk["MBps"] > 0 and disk["single_expert_ms"] > 0 and disk["batch"] >= 1
     assert report["mlx_lm"]["decode_tok_s"] > 0 and report["mlx_lm"]["moe_layer_ms"] > 0
     assert report["memory"]["machine_peak_used_bytes"] > 0
+    text = "\n".join(report_lines(report))  # what the script prints without --json
+    assert text.count("(the whole job, prefill included): GPU worker") == 2 and "prefetch (auto)" in text
