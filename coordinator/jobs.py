@@ -81,6 +81,10 @@ class JobHost(Protocol):
 
     def begin_job(self, job_id: int) -> None: ...
 
+    def job_predicts(self) -> bool:
+        """Whether the next job's decode steps are to predict experts for prefetch."""
+        ...
+
     def end_job(self, job_id: int, done: JobDone | None, relayed: int) -> Awaitable[tuple[JobStats, str | None]]:
         """The job's stats, and a failure message when a check (e.g. a test hook) failed."""
         ...
@@ -277,6 +281,7 @@ class JobFrontDoor:
             top_p=request.top_p,
             seed=request.seed,
             return_logprobs=request.return_logprobs,
+            predict=self._host.job_predicts(),
         )
         self._running = job
         job.started_at = time.monotonic()

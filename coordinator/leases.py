@@ -13,6 +13,7 @@ Transport-agnostic: `handle` takes a decoded message and returns the reply.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,6 +170,11 @@ class LeaseService:
         # Validated: from here on the request is served (or fails for a reason that is not its own).
         if held is not None:
             self._release(held, ended=True)
+        if not self._step:  # a forward step's first layer: auto's trial times decode steps
+            if routes.shape[0] == 1:
+                self._manager.prefetch_book.decode_step(time.perf_counter())
+            else:
+                self._manager.prefetch_book.not_decoding()
         self._manager.record_routes(layer, routes)  # every selection, before dedup
         visit = _Visit(layer, build_expert_batch_union(routes, self._working))
         # The layer is visited now: its prefetch reads for experts it does not route to can stop.
@@ -266,12 +272,14 @@ class LeaseService:
 
     def begin_job(self) -> None:
         """Start a job's statistics (the manager's demand telemetry is drained)."""
+        self._manager.prefetch_book.not_decoding()  # the time since the last job's last step is no step
         self._manager.drain_demand_telemetry()
         snap = self._manager.snapshot()
         self._counts = _Counts(baseline=(snap.evictions, snap.pressure_evictions, snap.repin_swaps))
 
     def end_job(self) -> LeaseServiceStats:
         """The statistics since `begin_job`."""
+        self._manager.prefetch_book.not_decoding()
         telemetry = self._manager.drain_demand_telemetry()
         snap = self._manager.snapshot()
         counts = self._counts

@@ -15,6 +15,9 @@ still busy with it. So a prefetch pays even when most of a layer's reads are
 wasted, as long as the disk has the time: break-even is well below one half.
 A layer whose prefetches, over the last `window` of them, were used less often
 than `break_even` (a quarter) stops being prefetched, and the log says so.
+Used reads are not yet a faster decode (a read costs CPU however good the
+prediction): auto also times decode steps with prefetch and without and keeps
+the faster (`coordinator.prefetch_trial`).
 `on` never stops; `off` never predicts.
 """
 
@@ -25,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from coordinator.prefetch_trial import StepTrial
 from shared.config import PREFETCH_MODES
 from shared.gpu_messages import MAX_PREFETCH
 
@@ -66,6 +70,8 @@ class PrefetchTelemetry:
     predicted_routed: int = 0  # decode selections that were in the layer's prediction
     routed: int = 0  # decode selections of predicted layers
     disabled_layers: tuple[int, ...] = ()  # layers whose prefetch stopped itself (so far in the run)
+    steps_without: int = 0  # predicted decode steps auto ran without prefetch (its trial, or a pause)
+    paused: bool = False  # auto's step timing had found decode faster without prefetch (at the period's end)
 
     @property
     def precision(self) -> float:
@@ -95,6 +101,8 @@ class PrefetchTelemetry:
             predicted_routed=self.predicted_routed + other.predicted_routed,
             routed=self.routed + other.routed,
             disabled_layers=other.disabled_layers,
+            steps_without=self.steps_without + other.steps_without,
+            paused=other.paused,
         )
 
 
@@ -122,16 +130,36 @@ class PrefetchBook:
     _outcomes: dict[int, deque[bool]] = field(default_factory=dict)
     _disabled: set[int] = field(default_factory=set)
     _counts: _Counts = field(default_factory=_Counts)
+    trial: StepTrial = field(default_factory=StepTrial)  # auto's decode-step timing
 
     def __post_init__(self) -> None:
         if self.mode not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {self.mode!r}")
 
     def enabled(self, layer: int) -> bool:
-        return self.mode != "off" and layer not in self._disabled
+        if self.mode != "auto":
+            return self.mode == "on"
+        return layer not in self._disabled and self.trial.prefetching
 
     def predicted(self, count: int) -> None:
         self._counts.predicted += count
+        if count:
+            self.trial.saw_prediction()
+
+    def job_starts(self) -> bool:
+        """A job is about to start: whether the GPU worker is to predict in it (off, or auto paused: no)."""
+        if self.mode != "auto":
+            return self.mode == "on"
+        return self.trial.job_starts()
+
+    def decode_step(self, now: float) -> None:
+        """A decode step began at `now` (`time.perf_counter()`): auto's trial times the one before."""
+        if self.mode == "auto":
+            self.trial.step_started(now)
+
+    def not_decoding(self) -> None:
+        """A prefill chunk or a job's end: no decode step continues the one in progress."""
+        self.trial.interrupted()
 
     def scored(self, named: int, routed: int) -> None:
         """A predicted layer was visited: `named` of its `routed` decode selections were predicted."""
@@ -169,7 +197,13 @@ class PrefetchBook:
             predicted_routed=counts.predicted_routed,
             routed=counts.routed,
             disabled_layers=tuple(sorted(self._disabled)),
+            steps_without=self._drain_steps_without(),
+            paused=self.mode == "auto" and self.trial.state == "off",
         )
+
+    def _drain_steps_without(self) -> int:
+        steps, self.trial.steps_without = self.trial.steps_without, 0
+        return steps
 
     def _judge(self, layer: int, useful: bool) -> None:
         outcomes = self._outcomes.setdefault(layer, deque(maxlen=self.window))

@@ -335,6 +335,9 @@ class Coordinator:
             accepting=not self.stopping,
         )
 
+    def job_predicts(self) -> bool:
+        return self.manager.prefetch_book.job_starts()
+
     def begin_job(self, job_id: int) -> None:
         self.book.begin()
         self._violations = self._hook_violations()

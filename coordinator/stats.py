@@ -139,6 +139,8 @@ def prefetch_fields(prefetch: PrefetchTelemetry, demand_misses: int) -> dict[str
         prefetch_waits=prefetch.waits,
         prefetch_wait_ms=prefetch.wait_ms,
         prefetch_disabled_layers=len(prefetch.disabled_layers),
+        prefetch_steps_without=prefetch.steps_without,
+        prefetch_paused=prefetch.paused,
     )
 
 

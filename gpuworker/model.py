@@ -29,7 +29,13 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model
 
 from gpuworker.expert_provider import ExpertProvider
-from gpuworker.prediction import NextLayerRouter, PredictingEmbedding, next_layer_routers, router_scores
+from gpuworker.prediction import (
+    NextLayerRouter,
+    PredictingEmbedding,
+    PredictionSwitch,
+    next_layer_routers,
+    router_scores,
+)
 from gpuworker.slots import mlx_storage_dtype
 from gpuworker.streamed import ExpertParam, StreamedSwitch
 
@@ -73,6 +79,7 @@ class StreamedModelInfo:
     routed_bytes: int  # bytes of routed-expert tensors left on disk
     sparse_layers: tuple[int, ...]
     modules: tuple[SparseModule, ...]
+    prediction: PredictionSwitch | None = None  # turns the model's next-layer prediction on and off (predict > 0)
 
     def module(self, layer: int) -> SparseModule:
         for module in self.modules:
@@ -168,11 +175,12 @@ def load_streamed_model(
         raise ValueError(
             f"{path}: more than one switch module in a decoder layer: {[module.path for module in modules]}"
         )
-    if predict > 0:
+    switch = PredictionSwitch() if predict > 0 else None
+    if switch is not None:
         experts = {module.layer: module.num_experts for module in modules}
-        for layer, router in next_layer_routers(blocks, experts, count=predict).items():
+        for layer, router in next_layer_routers(blocks, experts, count=predict, switch=switch).items():
             wrappers[layer].predict = router
-        _predict_first_layer(model, blocks, experts, modules[0], provider, count=predict)
+        _predict_first_layer(model, blocks, experts, modules[0], provider, count=predict, switch=switch)
     dense = tree_flatten(model.parameters())
     if not lazy:
         mx.eval([array for _, array in dense])
@@ -184,6 +192,7 @@ def load_streamed_model(
         routed_bytes=sum(module.expert_bytes * module.num_experts for module in modules),
         sparse_layers=layers,
         modules=tuple(modules),
+        prediction=switch,
     )
     logger.info(
         "loaded %s (%s): %d dense bytes in memory, %d routed-expert bytes streamed, sparse layers %s",
@@ -196,7 +205,9 @@ def load_streamed_model(
     return model, info
 
 
-def _predict_first_layer(model: nn.Module, blocks, experts, first: SparseModule, provider, *, count: int) -> None:
+def _predict_first_layer(
+    model: nn.Module, blocks, experts, first: SparseModule, provider, *, count: int, switch: PredictionSwitch
+) -> None:
     """Wrap the token embedding so a decode step predicts the first sparse layer from the token
     (`PredictingEmbedding`); skipped, and said, where the model's embedding or router is not found."""
     found = [
@@ -215,7 +226,7 @@ def _predict_first_layer(model: nn.Module, blocks, experts, first: SparseModule,
     norm = decoder.get("post_attention_layernorm") if isinstance(decoder, nn.Module) else None
     name, embedding = found[0]
     parent, key = _parent(model, name)
-    router = NextLayerRouter(first.layer, scores, max(1, min(count, experts[first.layer])))
+    router = NextLayerRouter(first.layer, scores, max(1, min(count, experts[first.layer])), switch)
     wrapper = PredictingEmbedding(embedding, router, norm if isinstance(norm, nn.Module) else None, provider)
     if isinstance(parent, list):
         parent[int(key)] = wrapper

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,14 @@ _ROUTER_NAMES = ("gate", "router")
 _LINEARS = (nn.Linear, nn.QuantizedLinear)
 
 
+@dataclass(slots=True)
+class PredictionSwitch:
+    """Whether decode steps predict now: one per model, set for each job (the coordinator's `predict`:
+    off while its auto prefetch is paused, so that a pause costs no router call and no message bytes)."""
+
+    on: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class NextLayerRouter:
     """The router of sparse layer `layer`, to be applied to the previous sparse layer's MoE input."""
@@ -40,6 +48,7 @@ class NextLayerRouter:
     layer: int
     scores: Scores  # larger = more likely to be picked
     count: int  # experts to predict (top-k plus a margin)
+    switch: PredictionSwitch = field(default_factory=PredictionSwitch)  # shared by the model's routers
 
     def rank(self, x: mx.array) -> mx.array | None:
         """This router's float32 scores for `x` (lazy, to be evaluated with the layer's routes);
@@ -88,7 +97,7 @@ def router_scores(block: nn.Module, num_experts: int) -> Scores | None:
 
 
 def next_layer_routers(
-    blocks: dict[int, nn.Module], num_experts: dict[int, int], *, count: int
+    blocks: dict[int, nn.Module], num_experts: dict[int, int], *, count: int, switch: PredictionSwitch | None = None
 ) -> dict[int, NextLayerRouter]:
     """For each sparse layer but the last, the router of the sparse layer after it (`count` experts)."""
     layers = sorted(blocks)
@@ -98,7 +107,9 @@ def next_layer_routers(
         if scores is None:
             logger.info("layer %d: its router is not one prediction knows; it is not prefetched", following)
             continue
-        routers[layer] = NextLayerRouter(following, scores, max(1, min(count, num_experts[following])))
+        routers[layer] = NextLayerRouter(
+            following, scores, max(1, min(count, num_experts[following])), switch or PredictionSwitch()
+        )
     return routers
 
 
@@ -119,7 +130,7 @@ class PredictingEmbedding(nn.Module):
     def __call__(self, ids: mx.array) -> mx.array:
         h = self.embedding(ids)
         first = self._predict
-        if ids.size == 1 and first is not None:
+        if ids.size == 1 and first is not None and first.router.switch.on:
             scores = first.router.rank(h if first.norm is None else first.norm(h))
             if scores is None:
                 self._predict = None  # rank() said why; the first layer is simply not prefetched
@@ -141,4 +152,11 @@ class _FirstLayer:
     norm: nn.Module | None
 
 
-__all__ = ["NextLayerRouter", "PredictingEmbedding", "Scores", "next_layer_routers", "router_scores"]
+__all__ = [
+    "NextLayerRouter",
+    "PredictingEmbedding",
+    "PredictionSwitch",
+    "Scores",
+    "next_layer_routers",
+    "router_scores",
+]

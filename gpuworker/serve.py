@@ -66,6 +66,10 @@ class JobServer:
                 channel.send(JobDone(job_id=job.job_id, tokens=(), finish_reason="cancelled"))
                 return
             logger.info("job %d: up to %d tokens", job.job_id, job.max_tokens)
+            if self.info.prediction is not None:  # the coordinator's auto prefetch may have paused
+                self.info.prediction.on = job.predict
+                if not job.predict:
+                    logger.info("job %d: no next-layer prediction (the coordinator paused prefetch)", job.job_id)
             generation = run_job(
                 job,
                 model=self.model,

@@ -265,6 +265,8 @@ class StreamedSwitch(nn.Module):
         # A decode step also ranks the next sparse layer's experts by that layer's router on x,
         # in the same evaluation: its prediction rides with this layer's routes.
         predict = self.predict if indices.size == indices.shape[-1] else None
+        if predict is not None and not predict.switch.on:  # this job does not predict (prefetch paused)
+            predict = None
         scores = predict.rank(x) if predict is not None else None
         if scores is not None:
             _evaluate(x, indices, scores)

@@ -200,14 +200,16 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
                 head += f" (per round {_fmt(s['vs_resident_rounds'])})"
         lines.append(head)
         prefetch = s.get("prefetch", {})
-        if prefetch.get("issued_per_token"):
+        if prefetch.get("issued_per_token") or prefetch.get("steps_without"):
             lines.append(
                 f"  prefetch ({prefetch['mode']}): prediction recall {prefetch['prediction_recall']:.3f} of the "
                 f"routed experts; recall {prefetch['recall']:.3f} of would-be misses, precision "
                 f"{prefetch['precision']:.3f}; per token {prefetch['issued_per_token']:.2f} reads "
                 f"({prefetch['bytes_per_token'] / MB:.1f} MB), {prefetch['useful_per_token']:.2f} useful, "
                 f"{prefetch['wasted_per_token']:.2f} wasted; demand waited on {prefetch['waits_per_token']:.2f} "
-                f"in flight ({prefetch['wait_ms_per_token']:.1f} ms); layers stopped {prefetch['disabled_layers']}"
+                f"in flight ({prefetch['wait_ms_per_token']:.1f} ms); layers stopped {prefetch['disabled_layers']}; "
+                f"decode steps without it (auto's timing) {prefetch.get('steps_without', 0)}, jobs ending paused "
+                f"{prefetch.get('paused_jobs', 0)}"
             )
         lines.append(
             f"  hit rate {s['hit_rate']:.3f}, misses per job {s['misses_per_job']}, "

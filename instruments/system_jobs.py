@@ -181,4 +181,6 @@ def _prefetch_summary(mode: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
         "waits_per_token": per_token("waits"),
         "wait_ms_per_token": per_token("wait_ms"),
         "disabled_layers": max(job["prefetch"]["disabled_layers"] for job in jobs),
+        "steps_without": sum(job["prefetch"]["steps_without"] for job in jobs),
+        "paused_jobs": sum(bool(job["prefetch"]["paused"]) for job in jobs),
     }

@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -330,6 +331,9 @@ class Bench:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM ends the bench as Ctrl-C does: on the way out every started system is stopped and its
+    # slab unlinked (by default the signal would kill the process and leave both slabs behind).
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.INFO if args.verbose else logging.WARNING)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

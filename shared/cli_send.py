@@ -93,6 +93,8 @@ def format_stats(done: Done) -> str:
             f"precision {stats.prefetch_precision:.0%}"
             + (f", stopped on {stopped} layer{'s' if stopped != 1 else ''} (auto)" if stopped else "")
         )
+    if stats.prefetch_paused:
+        parts.append("prefetch paused (auto: decode steps were faster without it)")
     parts += [
         f"footprint {_mib(stats.footprint_bytes)} (peak {_mib(stats.peak_footprint_bytes)})"
         f" / budget {_mib(stats.budget_bytes)}",

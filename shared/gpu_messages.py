@@ -189,6 +189,7 @@ class Job:
     top_p: float = 1.0
     seed: int | None = None
     return_logprobs: bool = False
+    predict: bool = True  # decode steps predict the next layer's experts (False while auto paused prefetch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,6 +121,8 @@ class JobStats:
     prefetch_waits: int = 0  # demand leases that waited for a prefetch read in flight
     prefetch_wait_ms: float = 0.0
     prefetch_disabled_layers: int = 0  # layers whose prefetch stopped itself (auto)
+    prefetch_steps_without: int = 0  # decode steps auto ran without prefetch (its timing trial, or a pause)
+    prefetch_paused: bool = False  # auto found decode faster without prefetch (coordinator/prefetch_trial.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,10 @@ reports what it promises. Speed is the script's business, never asserted here.""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,8 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("bench-cache")  # the tiny model is built once for both orders
 
 
-@pytest.mark.parametrize("order", ["interleaved", "sequential"])
-def test_bench_generate_reports_both_comparisons(cache, order):
-    command = [
+def _command(cache, *extra: str) -> list[str]:
+    return [
         sys.executable,
         str(ROOT / "scripts" / "bench_generate.py"),
         "--layers",
@@ -46,8 +47,13 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         "--cache-dir",
         str(cache),
         "--json",
-        *(["--sequential"] if order == "sequential" else []),
+        *extra,
     ]
+
+
+@pytest.mark.parametrize("order", ["interleaved", "sequential"])
+def test_bench_generate_reports_both_comparisons(cache, order):
+    command = _command(cache, *(["--sequential"] if order == "sequential" else []))
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -98,3 +104,28 @@ def test_bench_generate_reports_both_comparisons(cache, order):
     assert report["memory"]["machine_peak_used_bytes"] > 0
     text = "\n".join(report_lines(report))  # what the script prints without --json
     assert text.count("(the whole job, prefill included): GPU worker") == 2 and "prefetch (auto)" in text
+
+
+def _slabs() -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob("moeslab-*")} if Path("/dev/shm").is_dir() else set()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm to see the slab")
+def test_sigterm_stops_the_started_systems_and_unlinks_their_slabs(cache):
+    before = _slabs()
+    bench = subprocess.Popen(
+        _command(cache, "--repeats", "50"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (_slabs() - before) and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _slabs() - before, "no system was started"
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert _slabs() == before  # and the conftest's leak check finds no child process left

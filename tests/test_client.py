@@ -416,6 +416,8 @@ def test_the_summary_line_says_what_prefetch_read_and_where_auto_stopped_it():
         line = cli_send.format_stats(Done(id="a", tokens=(1,), stats=stats))
         assert "prefetch 4.0 MiB: recall 25%, precision 50%" in line and tail in line, line
         assert ("stopped" in line) is bool(stopped)
+    paused = cli_send.format_stats(Done(id="a", tokens=(1,), stats=dataclasses.replace(STATS, prefetch_paused=True)))
+    assert "prefetch paused (auto: decode steps were faster without it)" in paused
 
 
 @pytest.mark.parametrize(

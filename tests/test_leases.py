@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from coordinator import leases as leases_module
 from coordinator.fence_checks import SCRIBBLE, FenceCheckedBackend, with_fence_checks
 from coordinator.leases import LOAD_FAILED, LeaseService
 from coordinator.memory_backend import InMemoryBackend
 from coordinator.prefetch import PrefetchBook
+from coordinator.prefetch_trial import StepTrial
 from coordinator.residency import ExpertResidencyManager
 from coordinator.usage import ExpertUsageLedger
 from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, Prefetch, RouteMatrix, Routes
@@ -33,7 +35,7 @@ def locate(layer: int, expert: int) -> ExpertResidencyLocation:
     )
 
 
-def make(*, working=2, per_layer=1, backend=None, usage=None, prefetch="off"):
+def make(*, working=2, per_layer=1, backend=None, usage=None, prefetch="off", book=None):
     plan = plan_expert_residency(
         budget_bytes=10**9,
         fixed_bytes=0,
@@ -49,7 +51,7 @@ def make(*, working=2, per_layer=1, backend=None, usage=None, prefetch="off"):
         backend=backend,
         locate=locate,
         usage=usage,
-        prefetch=PrefetchBook(mode=prefetch),
+        prefetch=book if book is not None else PrefetchBook(mode=prefetch),
     )
     return LeaseService(manager=manager, experts_per_layer=EXPERTS), manager, backend
 
@@ -392,3 +394,44 @@ async def test_a_bad_first_layer_prefetch_is_ignored_with_a_warning_naming_it(ca
         assert any(needle in record.getMessage() for record in caplog.records), caplog.text
     assert state(service, manager, backend) == before
     assert service.end_job().refused == 2
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+async def _step(service, rows, clock, ms, *, predict=True):
+    """One forward step over both layers, predicting layer 3 from layer 1; it takes `ms`."""
+    message = _predicting(1, rows, prefetch_layer=3 if predict else None, prefetch=(6, 7) if predict else ())
+    lease = await service.handle(message)
+    issued = service.prefetch(message)
+    following = await service.handle(_predicting(3, rows, fence=lease.lease_id))
+    assert isinstance(await service.handle(Fence(lease_id=following.lease_id)), Fenced)
+    clock.now += ms / 1e3
+    return issued
+
+
+@run_async
+async def test_auto_times_decode_steps_and_pauses_prefetch_when_they_are_faster_without_it(monkeypatch):
+    """The first layer's routes of a one-row step start a decode step for auto's trial; a prefill
+    step (several rows) and a job's edges interrupt it; a paused trial issues no prefetch."""
+    clock = _Clock()
+    monkeypatch.setattr(leases_module, "time", clock)
+    book = PrefetchBook(mode="auto", trial=StepTrial(epoch_steps=2, trial_epochs=2, recheck_steps=50))
+    service, manager, _ = make(per_layer=2, book=book)
+    service.begin_job()
+    await _step(service, [[0, 5], [1, 2]], clock, 5000)  # prefill: not a decode step, not timed
+    issued = []
+    for _ in range(9):  # two epochs a side, and the step that closes the last
+        side = book.trial.prefetching
+        issued.append(await _step(service, [[0, 5]], clock, 30 if side else 10))
+        await manager.settle_prefetch()
+    assert issued[0] == 2 and book.trial.state == "off" and not book.enabled(3)
+    assert await _step(service, [[0, 5]], clock, 10) == 0  # paused: the prediction is not read
+    service.end_job()
+    telemetry = book.drain()
+    assert telemetry.paused and telemetry.steps_without == 4 + 2  # two trial epochs, then the pause

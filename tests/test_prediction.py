@@ -198,3 +198,25 @@ def test_a_router_that_cannot_take_its_input_stops_predicting_its_layer_and_says
     assert all(prefetch is not None for layer, _, prefetch in decode if layer == second)  # still predicts
     warned = [r.getMessage() for r in caplog.records if "cannot rank" in r.getMessage()]
     assert sorted(w.split(":")[0] for w in warned) == sorted([f"layer {first}", f"layer {second}"])
+
+
+def test_a_job_told_not_to_predict_predicts_nothing_and_computes_the_same(tmp_path):
+    """The coordinator's `predict=False` (auto paused prefetch) turns the model's one switch off:
+    no layer and not the first sends a prediction; turned on again, every decode step predicts."""
+    path = write_tiny_model(tmp_path, family="qwen3_moe", num_hidden_layers=3)
+    reference, _ = load_model(path)
+    experts = {layer: dict(tree_flatten(block[key].parameters())) for layer, (block, key) in _blocks(reference).items()}
+    predicting = _Provider(experts)
+    model, info = load_streamed_model(path, provider=predicting, predict=4)
+    assert info.prediction is not None and info.prediction.on
+    want = generate_steps(model, PROMPT, 4)
+    info.prediction.on = False
+    predicting.calls.clear(), predicting.first.clear()
+    got = generate_steps(model, PROMPT, 4)
+    assert want.tokens == got.tokens
+    assert not predicting.first and all(prefetch is None for _, _, prefetch in predicting.calls)
+    info.prediction.on = True
+    generate_steps(model, PROMPT, 4)
+    assert predicting.first and any(prefetch is not None for _, _, prefetch in predicting.calls)
+    _, plain_info = load_streamed_model(path, provider=_Provider(experts))
+    assert plain_info.prediction is None

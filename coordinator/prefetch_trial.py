@@ -1,0 +1,134 @@
+"""auto's end-to-end judge: is decode faster with prefetch than without it?
+
+The per-layer book (`coordinator.prefetch`) judges a prediction by how many of
+its reads were used. That is not the whole cost: every read takes CPU in the
+coordinator and an I/O worker however good the prediction was, and where the
+computation already takes every core (a CPU host; many layers of small
+experts, where a read is mostly per-read overhead) an overlapped read delays
+the token about as much as a demand read does. Measured on a 2-vCPU host, 48
+layers x 64 small experts at 25% residency: 69% of the prefetched experts used,
+and decode still 7% slower than without prefetch.
+
+So auto also times whole decode steps, in alternating epochs with prefetch and
+without, and keeps the faster side; after `recheck_steps` it tries again, as
+the load and what is resident change. Only steps that carried a prediction
+are timed (with nothing predicted both sides are the same). The first step of
+an epoch is not timed: it runs on what the other side left resident. While
+prefetch is paused the GPU worker predicts nothing either (`job_starts`: each
+job is told whether to predict), so a pause costs nothing per layer; the next
+trial starts with the first job after the pause's `recheck_steps`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+EPOCH_STEPS = 8  # decode steps per epoch
+TRIAL_EPOCHS = 3  # epochs per side in a trial; the sides' medians of epoch means are compared
+RECHECK_STEPS = 512  # decode steps a verdict holds before the next trial
+
+
+@dataclass(slots=True)
+class StepTrial:
+    """Decode steps timed with prefetch and without; `prefetching` says which side the current step is on."""
+
+    epoch_steps: int = EPOCH_STEPS
+    trial_epochs: int = TRIAL_EPOCHS
+    recheck_steps: int = RECHECK_STEPS
+    state: Literal["trial", "on", "off"] = "trial"
+    prefetching: bool = True  # the side of the step in progress (and of the next one, until it starts)
+    steps_without: int = 0  # decode steps run without prefetch: a trial's (predicted) and a pause's; drained
+    _with: list[float] = field(default_factory=list)  # epoch means (ms per step), prefetching
+    _without: list[float] = field(default_factory=list)
+    _epoch: list[float] = field(default_factory=list)  # this epoch's timed steps
+    _index: int = -1  # the step in progress within its epoch (-1: none has started)
+    _open: bool = False  # a decode step is in progress
+    _started: float | None = None  # when the step in progress started (None: not a timed decode step)
+    _predicted: bool = False  # the step in progress carried a prediction
+    _held: int = 0  # decode steps since the verdict
+
+    def __post_init__(self) -> None:
+        if self.epoch_steps < 2 or self.trial_epochs < 1 or self.recheck_steps < 1:
+            raise ValueError(
+                f"step trial needs epoch_steps >= 2, trial_epochs >= 1, recheck_steps >= 1; got "
+                f"{self.epoch_steps}, {self.trial_epochs}, {self.recheck_steps}"
+            )
+
+    def saw_prediction(self) -> None:
+        """The step in progress carried a prediction."""
+        self._predicted = True
+
+    def job_starts(self) -> bool:
+        """A job is about to start: whether its decode steps are to predict (not while paused).
+        A pause whose time is up ends here, so that the trial after it runs on predicting steps."""
+        if self.state == "off" and self._held >= self.recheck_steps:
+            self._retry()
+        return self.state != "off"
+
+    def step_started(self, now: float) -> None:
+        """A decode step began (its first layer was routed) at `now` (seconds, monotonic)."""
+        self._close(now)
+        self._open, self._started, self._predicted = True, now, False
+        if self.state != "trial":
+            return
+        self._index += 1
+        if self._index == self.epoch_steps:  # the epoch is over: record it, switch sides
+            if len(self._epoch) * 2 >= self.epoch_steps - 1:  # enough of it was timed to say something
+                (self._with if self.prefetching else self._without).append(statistics.fmean(self._epoch))
+            self._epoch.clear()
+            self._index = 0
+            if len(self._with) >= self.trial_epochs and len(self._without) >= self.trial_epochs:
+                self._verdict()
+            else:
+                self.prefetching = not self.prefetching
+
+    def interrupted(self) -> None:
+        """What follows is no continuation of the step in progress (a prefill chunk, a job's end)."""
+        self._close(None)
+        self._open, self._started, self._predicted = False, None, False
+
+    # -- internals ---------------------------------------------------------
+
+    def _close(self, now: float | None) -> None:
+        """The step in progress ended at `now` (None: its end is not a next step's start)."""
+        if not self._open:
+            return
+        if not self.prefetching and (self._predicted or self.state == "off"):
+            self.steps_without += 1
+        if self.state != "trial":
+            self._held += 1
+            if self.state == "on" and self._held >= self.recheck_steps:
+                self._retry()  # the steps predict: the trial can start with the next one
+        elif self._predicted and now is not None and self._started is not None and self._index > 0:
+            self._epoch.append((now - self._started) * 1e3)
+
+    def _verdict(self) -> None:
+        with_ms, without_ms = statistics.median(self._with), statistics.median(self._without)
+        self.prefetching = with_ms <= without_ms
+        self.state = "on" if self.prefetching else "off"
+        self._held = 0
+        logger.info(
+            "prefetch %s: decode steps took %.1f ms with it and %.1f ms without (medians of %d epochs of %d "
+            "steps each); tried again after %d decode steps",
+            "kept" if self.prefetching else "paused, decode is faster without it",
+            with_ms,
+            without_ms,
+            len(self._with),
+            self.epoch_steps,
+            self.recheck_steps,
+        )
+
+    def _retry(self) -> None:
+        self.state, self.prefetching = "trial", True
+        self._with.clear()
+        self._without.clear()
+        self._epoch.clear()
+        self._index = -1  # the next step to start is the new epoch's first (not timed)
+
+
+__all__ = ["EPOCH_STEPS", "RECHECK_STEPS", "TRIAL_EPOCHS", "StepTrial"]
