@@ -273,6 +273,7 @@ class LeaseService:
     def begin_job(self) -> None:
         """Start a job's statistics (the manager's demand telemetry is drained)."""
         self._manager.prefetch_book.not_decoding()  # the time since the last job's last step is no step
+        self._step.clear()  # no step is in progress (one a lost GPU worker left unfenced is over)
         self._manager.drain_demand_telemetry()
         snap = self._manager.snapshot()
         self._counts = _Counts(baseline=(snap.evictions, snap.pressure_evictions, snap.repin_swaps))
