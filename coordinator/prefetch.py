@@ -70,7 +70,7 @@ class PrefetchTelemetry:
     predicted_routed: int = 0  # decode selections that were in the layer's prediction
     routed: int = 0  # decode selections of predicted layers
     disabled_layers: tuple[int, ...] = ()  # layers whose prefetch stopped itself (so far in the run)
-    steps_without: int = 0  # predicted decode steps auto ran without prefetch (its trial, or a pause)
+    steps_without: int = 0  # decode steps auto ran without prefetch (its trial's, predicted; a pause's)
     paused: bool = False  # auto's step timing had found decode faster without prefetch (at the period's end)
 
     @property
@@ -141,9 +141,9 @@ class PrefetchBook:
             return self.mode == "on"
         return layer not in self._disabled and self.trial.prefetching
 
-    def predicted(self, count: int) -> None:
+    def predicted(self, count: int, layer: int) -> None:
         self._counts.predicted += count
-        if count:
+        if count and layer not in self._disabled:  # a stopped layer's prediction is read neither way
             self.trial.saw_prediction()
 
     def job_starts(self) -> bool:

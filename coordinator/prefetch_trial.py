@@ -16,7 +16,11 @@ are timed (with nothing predicted both sides are the same). The first step of
 an epoch is not timed: it runs on what the other side left resident. While
 prefetch is paused the GPU worker predicts nothing either (`job_starts`: each
 job is told whether to predict), so a pause costs nothing per layer; the next
-trial starts with the first job after the pause's `recheck_steps`.
+trial starts with the first job after the pause's `recheck_steps` (a verdict
+reached in the middle of a job pauses the reads at once, the predictions from
+the next job on). In the trial's epochs without prefetch the GPU worker still
+predicts, so they pay the router calls a pause does not: the comparison leans,
+slightly, towards keeping prefetch.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class StepTrial:
     _epoch: list[float] = field(default_factory=list)  # this epoch's timed steps
     _index: int = -1  # the step in progress within its epoch (-1: none has started)
     _open: bool = False  # a decode step is in progress
-    _started: float | None = None  # when the step in progress started (None: not a timed decode step)
+    _started: float | None = None  # when the step in progress started (None: no step since an interruption)
     _predicted: bool = False  # the step in progress carried a prediction
     _held: int = 0  # decode steps since the verdict
 
@@ -78,14 +82,17 @@ class StepTrial:
             return
         self._index += 1
         if self._index == self.epoch_steps:  # the epoch is over: record it, switch sides
-            if len(self._epoch) * 2 >= self.epoch_steps - 1:  # enough of it was timed to say something
+            recorded = len(self._epoch) * 2 >= self.epoch_steps - 1  # enough of it was timed to say something
+            if recorded:
                 (self._with if self.prefetching else self._without).append(statistics.fmean(self._epoch))
             self._epoch.clear()
             self._index = 0
             if len(self._with) >= self.trial_epochs and len(self._without) >= self.trial_epochs:
                 self._verdict()
-            else:
+            elif recorded:
                 self.prefetching = not self.prefetching
+            # else: the same side again. Jobs too short to time (one or two steps each) never reach
+            # a verdict, and stay on the side the trial started with, prefetching.
 
     def interrupted(self) -> None:
         """What follows is no continuation of the step in progress (a prefill chunk, a job's end)."""

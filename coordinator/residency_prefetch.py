@@ -58,7 +58,7 @@ class PrefetchingCore(ResidencyCore):
         if layer not in self._layer_slots:
             raise ValueError(f"prefetch layer {layer} is not a sparse residency layer")
         ids = [require_int(expert, "predicted expert id") for expert in experts]
-        self.prefetch_book.predicted(len(ids))
+        self.prefetch_book.predicted(len(ids), layer)
         if not self.prefetch_book.enabled(layer) or (self._active and layer == self._active_layer):
             return 0
         # Resident predictions stay: none of this prediction evicts another of it.

@@ -225,7 +225,12 @@ class Bench:
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the
         # measured jobs then run from hits only); the streaming one reaches its steady state.
-        job = system.job(self.prompt, self.args.tokens, expected=self.expected, warmup=True, **self.sample)
+        try:
+            job = system.job(self.prompt, self.args.tokens, expected=self.expected, warmup=True, **self.sample)
+        except BaseException:  # the caller never gets the system to stop (e.g. SIGTERM in the warm-up)
+            del self.systems[part]
+            system.stop()
+            raise
         self.say(
             f"{part}: started in {system.startup_s:.1f} s ({system.system.plan.slots_per_layer} of "
             f"{store.experts_per_layer} experts per layer resident); warm-up job {job['decode_tok_s']:.3f} "
@@ -329,11 +334,16 @@ class Bench:
         )
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    sys.exit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM ends the bench as Ctrl-C does: on the way out every started system is stopped and its
     # slab unlinked (by default the signal would kill the process and leave both slabs behind).
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.INFO if args.verbose else logging.WARNING)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

@@ -111,10 +111,16 @@ def _slabs() -> set[str]:
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm to see the slab")
-def test_sigterm_stops_the_started_systems_and_unlinks_their_slabs(cache):
+@pytest.mark.parametrize("order", ["interleaved", "sequential"])
+def test_sigterm_stops_the_started_systems_and_unlinks_their_slabs(cache, order):
+    """SIGTERM as soon as a system exists (in sequential order: during its start or warm-up)."""
     before = _slabs()
     bench = subprocess.Popen(
-        _command(cache, "--repeats", "50"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        _command(cache, "--repeats", "50", *(["--sequential"] if order == "sequential" else [])),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 240

@@ -19,9 +19,18 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model
 
+from gpuworker import serve
 from gpuworker.expert_provider import LeasedWave
+from gpuworker.generate import JobRefused
 from gpuworker.model import load_streamed_model, streamed_switches
-from gpuworker.prediction import NextLayerRouter, PredictingEmbedding, next_layer_routers, router_scores
+from gpuworker.prediction import (
+    NextLayerRouter,
+    PredictingEmbedding,
+    PredictionSwitch,
+    next_layer_routers,
+    router_scores,
+)
+from shared.gpu_messages import Job, JobError
 from tests.helpers.models import FAMILIES, write_tiny_model
 from tests.helpers.oracle import generate_steps
 
@@ -220,3 +229,43 @@ def test_a_job_told_not_to_predict_predicts_nothing_and_computes_the_same(tmp_pa
     assert predicting.first and any(prefetch is not None for _, _, prefetch in predicting.calls)
     _, plain_info = load_streamed_model(path, provider=_Provider(experts))
     assert plain_info.prediction is None
+
+
+class _Channel:
+    current_job = None
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def cancel_requested(self, job_id) -> bool:
+        return False
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    def job_finished(self, job_id) -> None:
+        pass
+
+
+class _Client:
+    def reset_stats(self) -> None:
+        pass
+
+
+def test_the_job_server_sets_the_models_switch_from_each_jobs_predict_flag(monkeypatch):
+    """`Job.predict` (the coordinator's auto paused prefetch: False) reaches the model's switch
+    before the job's first forward."""
+    switch, seen = PredictionSwitch(), []
+
+    def run_job(job, **_):
+        seen.append(switch.on)
+        raise JobRefused("bad_request", "stop here")  # the rest of serving is not this test's business
+
+    monkeypatch.setattr(serve, "run_job", run_job)
+    channel = _Channel()
+    info = type("Info", (), {"prediction": switch, "config": {}})()
+    server = serve.JobServer(channel, _Client(), None, None, info, type("Args", (), {"prefill_step_size": 8})())
+    for job_id, predict in enumerate((False, True, False)):
+        server.run(Job(job_id=job_id, prompt_tokens=(1, 2), predict=predict))
+    assert seen == [False, True, False]
+    assert all(isinstance(message, JobError) for message in channel.sent)

@@ -4,12 +4,18 @@ steps timed; and its figures in the prefetch book's telemetry."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.jobs import JobFrontDoor
 from coordinator.prefetch import PrefetchBook, PrefetchTelemetry
 from coordinator.prefetch_trial import StepTrial
+from shared.gpu_messages import Job
+from shared.job_messages import Generate
+from shared.protocol import encode
 
 
 def small() -> StepTrial:
@@ -78,15 +84,33 @@ def test_an_interruption_is_not_timed_as_a_step():
     assert trial.state == "on"
 
 
-def test_an_epoch_with_too_few_timed_steps_says_nothing():
+@pytest.mark.parametrize("steps_per_job", [1, 2])
+def test_jobs_too_short_to_time_keep_prefetching(steps_per_job):
+    """An epoch of 4 steps needs 2 timed steps to count; a job's last step is never timed (its end
+    is no next step's start). Epochs that say nothing do not switch sides: jobs of one or two
+    steps never reach a verdict and keep prefetching, all of their steps."""
     trial = small()
-    now = 0.0
-    for _ in range(64):
-        trial.interrupted()  # every step stands alone (a job of one token each)
+    now, sides = 0.0, []
+    for step in range(64):
+        if step % steps_per_job == 0:
+            trial.interrupted()  # a job's end and the next one's prefill
         trial.step_started(now)
         trial.saw_prediction()
+        sides.append(trial.prefetching)
         now += 1.0
-    assert trial.state == "trial"
+    assert trial.state == "trial" and all(sides) and trial.steps_without == 0
+
+
+def test_jobs_of_three_steps_are_timed_enough_to_reach_a_verdict():
+    trial = small()
+    now = 0.0
+    for step in range(200):
+        if step % 3 == 0:
+            trial.interrupted()
+        trial.step_started(now)
+        trial.saw_prediction()
+        now += 0.010 if trial.prefetching else 0.020
+    assert trial.state == "on"
 
 
 @pytest.mark.parametrize(("epoch_steps", "trial_epochs", "recheck_steps"), [(1, 1, 1), (4, 0, 1), (4, 1, 0)])
@@ -103,20 +127,32 @@ def test_any_sequence_of_steps_keeps_the_trial_consistent(durations):
     """Whatever the steps' lengths, predictions and interruptions: in a verdict the side is the
     verdict's, and exactly the predicted steps run without prefetch are counted."""
     trial = small()
-    now, off_predicted = 0.0, 0
+    now, without = 0.0, 0
     for ms, predicted, interrupted in durations:
         if interrupted:
             trial.interrupted()
         trial.step_started(now)
-        side = trial.prefetching
         if predicted:
             trial.saw_prediction()
-            off_predicted += not side
+        # A step runs without prefetch on the trial's off side when it predicted, and always in a pause.
+        without += not trial.prefetching and (predicted or trial.state == "off")
         if trial.state != "trial":
             assert trial.prefetching is (trial.state == "on")
         now += ms / 1e3
     trial.interrupted()
-    assert trial.steps_without == off_predicted
+    assert trial.steps_without == without
+
+
+def test_a_pause_counts_its_unpredicted_steps_too():
+    """The example hypothesis found rarely: after a verdict to pause, a step that predicted
+    nothing still ran without prefetch."""
+    trial = small()
+    drive(trial, 17, with_ms=30, without_ms=10)
+    assert trial.state == "off"
+    before = trial.steps_without
+    trial.step_started(1.0)  # no prediction in this one
+    trial.interrupted()
+    assert trial.steps_without == before + 2  # the verdict's step and this one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +164,7 @@ def paused_book() -> PrefetchBook:
     now = 0.0
     for _ in range(17):
         book.decode_step(now)
-        book.predicted(2)
+        book.predicted(2, 1)
         now += 0.030 if book.trial.prefetching else 0.010
     return book
 
@@ -142,12 +178,33 @@ def test_a_paused_book_prefetches_no_layer_and_says_so():
     assert book.drain().steps_without == 0  # drained
 
 
+def test_a_stopped_layers_predictions_do_not_make_a_step_count():
+    """A layer the per-layer judge stopped is read neither way: its predictions alone leave a
+    step out of the trial."""
+    book = PrefetchBook(mode="auto", window=4, trial=small())
+    for _ in range(4):
+        book.wasted(1, 10)  # layer 1 stops
+    assert not book.enabled(1) and book.enabled(2)
+    now = 0.0
+    for _ in range(40):
+        book.decode_step(now)
+        book.predicted(2, 1)
+        now += 0.030 if book.trial.prefetching else 0.010
+    book.not_decoding()
+    assert book.trial.state == "trial" and book.drain().steps_without == 0
+    for _ in range(40):  # a live layer's predictions do
+        book.decode_step(now)
+        book.predicted(2, 2)
+        now += 0.030 if book.trial.prefetching else 0.010
+    assert book.trial.state == "off"
+
+
 def test_on_and_off_take_no_trial():
     for mode, enabled in (("on", True), ("off", False)):
         book = PrefetchBook(mode=mode, trial=small())
         for step in range(40):
             book.decode_step(step * 0.05)
-            book.predicted(2)
+            book.predicted(2, 1)
         assert book.enabled(1) is enabled and book.job_starts() is enabled
         assert not book.drain().paused and book.trial.state == "trial"
 
@@ -156,3 +213,34 @@ def test_periods_add_steps_without_and_keep_the_later_pause():
     early, late = PrefetchTelemetry(steps_without=3, paused=True), PrefetchTelemetry(steps_without=4)
     assert (early + late).steps_without == 7 and not (early + late).paused
     assert (late + early).paused
+
+
+class _Host:
+    """Just what the front door needs to start a job."""
+
+    def __init__(self, predicts: bool) -> None:
+        self.predicts, self.gpu = predicts, []
+
+    def ready(self) -> bool:
+        return True
+
+    def begin_job(self, job_id: int) -> None:
+        pass
+
+    def job_predicts(self) -> bool:
+        return self.predicts
+
+    def send_gpu(self, message) -> bool:
+        self.gpu.append(message)
+        return True
+
+    def send_client(self, identity, message) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("predicts", [True, False])
+def test_the_front_door_tells_each_job_whether_to_predict(predicts):
+    host = _Host(predicts)
+    door = JobFrontDoor(host=host)
+    asyncio.run(door.handle_client([b"client", encode(Generate(id="a", prompt_tokens=(1, 2), max_tokens=4))]))
+    assert [type(m) for m in host.gpu] == [Job] and host.gpu[0].predict is predicts
