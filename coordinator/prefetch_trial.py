@@ -25,7 +25,9 @@ slightly, towards keeping prefetch.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,7 +35,7 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 EPOCH_STEPS = 8  # decode steps per epoch
-TRIAL_EPOCHS = 3  # epochs per side in a trial; the sides' medians of epoch means are compared
+TRIAL_EPOCHS = 3  # epochs per side in a trial; adjacent epochs of the two sides are compared
 RECHECK_STEPS = 512  # decode steps a verdict holds before the next trial
 
 
@@ -47,8 +49,7 @@ class StepTrial:
     state: Literal["trial", "on", "off"] = "trial"
     prefetching: bool = True  # the side of the step in progress (and of the next one, until it starts)
     steps_without: int = 0  # decode steps run without prefetch: a trial's (predicted) and a pause's; drained
-    _with: list[float] = field(default_factory=list)  # epoch means (ms per step), prefetching
-    _without: list[float] = field(default_factory=list)
+    _epochs: list[tuple[bool, float]] = field(default_factory=list)  # (prefetching, mean ms per step), in order
     _epoch: list[float] = field(default_factory=list)  # this epoch's timed steps
     _index: int = -1  # the step in progress within its epoch (-1: none has started)
     _open: bool = False  # a decode step is in progress
@@ -84,10 +85,11 @@ class StepTrial:
         if self._index == self.epoch_steps:  # the epoch is over: record it, switch sides
             recorded = len(self._epoch) * 2 >= self.epoch_steps - 1  # enough of it was timed to say something
             if recorded:
-                (self._with if self.prefetching else self._without).append(statistics.fmean(self._epoch))
+                self._epochs.append((self.prefetching, statistics.fmean(self._epoch)))
             self._epoch.clear()
             self._index = 0
-            if len(self._with) >= self.trial_epochs and len(self._without) >= self.trial_epochs:
+            sides = [side for side, _ in self._epochs]
+            if min(sides.count(True), sides.count(False)) >= self.trial_epochs:
                 self._verdict()
             elif recorded:
                 self.prefetching = not self.prefetching
@@ -115,25 +117,35 @@ class StepTrial:
             self._epoch.append((now - self._started) * 1e3)
 
     def _verdict(self) -> None:
-        with_ms, without_ms = statistics.median(self._with), statistics.median(self._without)
-        self.prefetching = with_ms <= without_ms
+        # Each epoch against the one after it (of the other side): a machine that slows down or
+        # speeds up over the trial moves both epochs of a pair alike, and the pairs alternate
+        # which side came first, so a steady drift nearly cancels in their geometric mean.
+        ratios = [
+            (a if a_with else b) / (b if a_with else a)
+            for (a_with, a), (b_with, b) in itertools.pairwise(self._epochs)
+            if a_with != b_with and a > 0 and b > 0
+        ]
+        ratio = math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else 1.0
+        self.prefetching = ratio <= 1.0
         self.state = "on" if self.prefetching else "off"
         self._held = 0
+        with_ms = statistics.median(ms for prefetching, ms in self._epochs if prefetching)
+        without_ms = statistics.median(ms for prefetching, ms in self._epochs if not prefetching)
         logger.info(
-            "prefetch %s: decode steps took %.1f ms with it and %.1f ms without (medians of %d epochs of %d "
-            "steps each); tried again after %d decode steps",
+            "prefetch %s: decode steps took %.1f ms with it and %.1f ms without (medians of epochs of %d steps; "
+            "with / without %.3f over %d adjacent epochs); tried again after %d decode steps",
             "kept" if self.prefetching else "paused, decode is faster without it",
             with_ms,
             without_ms,
-            len(self._with),
             self.epoch_steps,
+            ratio,
+            len(ratios),
             self.recheck_steps,
         )
 
     def _retry(self) -> None:
         self.state, self.prefetching = "trial", True
-        self._with.clear()
-        self._without.clear()
+        self._epochs.clear()
         self._epoch.clear()
         self._index = -1  # the next step to start is the new epoch's first (not timed)
 

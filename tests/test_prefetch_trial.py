@@ -64,6 +64,18 @@ def test_prefetch_is_paused_when_steps_are_faster_without_it_and_tried_again_lat
     assert sides == ON + [False]
 
 
+def test_a_machine_slowing_down_during_the_trial_does_not_decide_it():
+    """Prefetch costs 3% here, and the machine slows by 10% an epoch: compared side against side
+    (medians), the earlier epochs with prefetch would look faster; compared epoch against the
+    adjacent one, the drift cancels and prefetch is paused."""
+    trial, now = small(), 0.0
+    for step in range(17):
+        trial.step_started(now)
+        trial.saw_prediction()
+        now += 0.010 * (1.03 if trial.prefetching else 1.0) * (1 + 0.025 * step)
+    assert trial.state == "off"
+
+
 def test_steps_without_a_prediction_are_neither_timed_nor_counted():
     trial = small()
     drive(trial, 100, with_ms=30, without_ms=20, predict=False)
