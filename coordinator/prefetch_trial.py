@@ -10,8 +10,9 @@ layers x 64 small experts at 25% residency: 69% of the prefetched experts used,
 and decode still 7% slower than without prefetch.
 
 So auto also times whole decode steps, in alternating epochs with prefetch and
-without, and keeps the faster side; after `recheck_steps` it tries again, as
-the load and what is resident change. Only steps that carried a prediction
+without (after a warm-up epoch with it), and keeps prefetch unless steps are
+`KEEP_MARGIN` slower with it; after `recheck_steps` it tries again, as the load
+and what is resident change. Only steps that carried a prediction
 are timed (with nothing predicted both sides are the same). The first step of
 an epoch is not timed: it runs on what the other side left resident. While
 prefetch is paused the GPU worker predicts nothing either (`job_starts`: each
@@ -35,8 +36,12 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 EPOCH_STEPS = 8  # decode steps per epoch
-TRIAL_EPOCHS = 3  # epochs per side in a trial; adjacent epochs of the two sides are compared
+TRIAL_EPOCHS = 4  # epochs per side in a trial; adjacent epochs of the two sides are compared
 RECHECK_STEPS = 512  # decode steps a verdict holds before the next trial
+# Prefetch is paused only when steps are this much slower with it: a wrong pause costs what
+# prefetch saves (11% on this host's default benchmark, far more where decode waits for the disk),
+# a wrong keep only what its reads cost (a few percent on a CPU host's many small experts).
+KEEP_MARGIN = 1.02
 
 
 @dataclass(slots=True)
@@ -51,7 +56,7 @@ class StepTrial:
     steps_without: int = 0  # decode steps run without prefetch: a trial's (predicted) and a pause's; drained
     _epochs: list[tuple[bool, float]] = field(default_factory=list)  # (prefetching, mean ms per step), in order
     _epoch: list[float] = field(default_factory=list)  # this epoch's timed steps
-    _index: int = -1  # the step in progress within its epoch (-1: none has started)
+    _index: int = -1  # the step in progress within its epoch (negative: the trial's warm-up)
     _open: bool = False  # a decode step is in progress
     _started: float | None = None  # when the step in progress started (None: no step since an interruption)
     _predicted: bool = False  # the step in progress carried a prediction
@@ -63,6 +68,12 @@ class StepTrial:
                 f"step trial needs epoch_steps >= 2, trial_epochs >= 1, recheck_steps >= 1; got "
                 f"{self.epoch_steps}, {self.trial_epochs}, {self.recheck_steps}"
             )
+        self._index = self._warmup_index()
+
+    def _warmup_index(self) -> int:
+        """A trial begins with an epoch of untimed steps with prefetch: the first trial runs while
+        the slab is still cold, and a later one on what a pause left resident."""
+        return -1 - self.epoch_steps
 
     def saw_prediction(self) -> None:
         """The step in progress carried a prediction."""
@@ -126,7 +137,7 @@ class StepTrial:
             if a_with != b_with and a > 0 and b > 0
         ]
         ratio = math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else 1.0
-        self.prefetching = ratio <= 1.0
+        self.prefetching = ratio <= KEEP_MARGIN
         self.state = "on" if self.prefetching else "off"
         self._held = 0
         with_ms = statistics.median(ms for prefetching, ms in self._epochs if prefetching)
@@ -147,7 +158,7 @@ class StepTrial:
         self.state, self.prefetching = "trial", True
         self._epochs.clear()
         self._epoch.clear()
-        self._index = -1  # the next step to start is the new epoch's first (not timed)
+        self._index = self._warmup_index()
 
 
-__all__ = ["EPOCH_STEPS", "RECHECK_STEPS", "TRIAL_EPOCHS", "StepTrial"]
+__all__ = ["EPOCH_STEPS", "KEEP_MARGIN", "RECHECK_STEPS", "TRIAL_EPOCHS", "StepTrial"]

@@ -426,7 +426,7 @@ async def test_auto_times_decode_steps_and_pauses_prefetch_when_they_are_faster_
     service.begin_job()
     await _step(service, [[0, 5], [1, 2]], clock, 5000)  # prefill: not a decode step, not timed
     issued = []
-    for _ in range(9):  # two epochs a side, and the step that closes the last
+    for _ in range(11):  # a warm-up epoch, two epochs a side, and the step that closes the last
         side = book.trial.prefetching
         issued.append(await _step(service, [[0, 5]], clock, 30 if side else 10))
         await manager.settle_prefetch()

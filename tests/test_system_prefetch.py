@@ -76,15 +76,15 @@ def test_auto_predicts_nothing_when_every_expert_is_resident(tmp_path, caplog):
 
 
 def test_auto_times_its_decode_steps_without_prefetch_in_alternate_epochs(tmp_path):
-    """auto's trial (coordinator/prefetch_trial.py) runs the second epoch of 8 decode steps without
-    prefetch: the job's stats count those steps, no verdict has paused prefetch yet, the tokens
-    stay mlx-lm's."""
+    """auto's trial (coordinator/prefetch_trial.py), after a warm-up epoch of 8 decode steps, runs
+    the first epoch with prefetch and the next without: the job's stats count those steps, no
+    verdict has paused prefetch yet, the tokens stay mlx-lm's."""
     from coordinator.prefetch_trial import EPOCH_STEPS
 
     path = write_tiny_model(tmp_path / "m", family=FAMILIES[0])
     store = ExpertStore.open(path)
-    want = oracle(path, PROMPT, GENERATED)
-    tokens = 2 * EPOCH_STEPS + 4  # one-token forwards: epochs on, off, and a few steps of the next (on)
+    tokens = 3 * EPOCH_STEPS + 4  # one-token forwards: warm-up and an epoch on, one off, a few on
+    want = oracle(path, PROMPT, tokens)
     with start_test_system(path, memory_budget=_budget(store)) as system:  # prefetch: auto, the default
         result = run_job(system, max_tokens=tokens, return_logprobs=False)
     assert result.tokens == want.tokens[:tokens] and len(result.tokens) == tokens
