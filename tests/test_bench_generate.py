@@ -4,6 +4,7 @@ reports what it promises. Speed is the script's business, never asserted here.""
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -110,23 +111,38 @@ def _slabs() -> set[str]:
     return {path.name for path in Path("/dev/shm").glob("moeslab-*")} if Path("/dev/shm").is_dir() else set()
 
 
+def _wait_for_line(stream, needle: str, timeout: float) -> str | None:
+    """The first line of `stream` holding `needle`, or None at its end or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], 0.5)
+        if ready:
+            line = stream.readline()
+            if not line:
+                return None
+            if needle in line:
+                return line
+    return None
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm to see the slab")
 @pytest.mark.parametrize("order", ["interleaved", "sequential"])
 def test_sigterm_stops_the_started_systems_and_unlinks_their_slabs(cache, order):
-    """SIGTERM as soon as a system exists (in sequential order: during its start or warm-up)."""
+    """SIGTERM once a system has started and warmed up (its jobs are running): the bench stops
+    every system it started on the way out."""
     before = _slabs()
+    command = [arg for arg in _command(cache, "--repeats", "50") if arg != "--json"]  # progress lines
     bench = subprocess.Popen(
-        _command(cache, "--repeats", "50", *(["--sequential"] if order == "sequential" else [])),
+        command + (["--sequential"] if order == "sequential" else []),
         cwd=ROOT,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 240
-        while not (_slabs() - before) and bench.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _slabs() - before, "no system was started"
+        started = _wait_for_line(bench.stdout, "started in", timeout=240)
+        assert started, "no system was started"
+        assert _slabs() - before
         bench.send_signal(signal.SIGTERM)
         _, err = bench.communicate(timeout=120)
     finally:
