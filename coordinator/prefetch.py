@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 from coordinator.prefetch_trial import StepTrial
@@ -88,22 +88,12 @@ class PrefetchTelemetry:
         return self.useful / avoided if avoided else 0.0
 
     def __add__(self, other: PrefetchTelemetry) -> PrefetchTelemetry:
-        """Two periods' counts together (the later one's disabled layers)."""
-        return PrefetchTelemetry(
-            predicted=self.predicted + other.predicted,
-            issued=self.issued + other.issued,
-            useful=self.useful + other.useful,
-            wasted=self.wasted + other.wasted,
-            issued_bytes=self.issued_bytes + other.issued_bytes,
-            wasted_bytes=self.wasted_bytes + other.wasted_bytes,
-            waits=self.waits + other.waits,
-            wait_ms=self.wait_ms + other.wait_ms,
-            predicted_routed=self.predicted_routed + other.predicted_routed,
-            routed=self.routed + other.routed,
-            disabled_layers=other.disabled_layers,
-            steps_without=self.steps_without + other.steps_without,
-            paused=other.paused,
-        )
+        """Two periods' counts together (the later one's disabled layers and pause)."""
+        summed = {name: getattr(self, name) + getattr(other, name) for name in _COUNTED}
+        return PrefetchTelemetry(**summed, disabled_layers=other.disabled_layers, paused=other.paused)
+
+
+_COUNTED = tuple(f.name for f in fields(PrefetchTelemetry) if f.name not in ("disabled_layers", "paused"))
 
 
 @dataclass(slots=True)
@@ -186,16 +176,7 @@ class PrefetchBook:
         """The counters since the last drain (they restart at zero); the disabled layers so far."""
         counts, self._counts = self._counts, _Counts()
         return PrefetchTelemetry(
-            predicted=counts.predicted,
-            issued=counts.issued,
-            useful=counts.useful,
-            wasted=counts.wasted,
-            issued_bytes=counts.issued_bytes,
-            wasted_bytes=counts.wasted_bytes,
-            waits=counts.waits,
-            wait_ms=counts.wait_ms,
-            predicted_routed=counts.predicted_routed,
-            routed=counts.routed,
+            **asdict(counts),
             disabled_layers=tuple(sorted(self._disabled)),
             steps_without=self._drain_steps_without(),
             paused=self.mode == "auto" and self.trial.state == "off",

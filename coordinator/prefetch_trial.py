@@ -57,8 +57,7 @@ class StepTrial:
     _epochs: list[tuple[bool, float]] = field(default_factory=list)  # (prefetching, mean ms per step), in order
     _epoch: list[float] = field(default_factory=list)  # this epoch's timed steps
     _index: int = -1  # the step in progress within its epoch (negative: the trial's warm-up)
-    _open: bool = False  # a decode step is in progress
-    _started: float | None = None  # when the step in progress started (None: no step since an interruption)
+    _started: float | None = None  # when the decode step in progress started (None: none is)
     _predicted: bool = False  # the step in progress carried a prediction
     _held: int = 0  # decode steps since the verdict
 
@@ -89,7 +88,7 @@ class StepTrial:
     def step_started(self, now: float) -> None:
         """A decode step began (its first layer was routed) at `now` (seconds, monotonic)."""
         self._close(now)
-        self._open, self._started, self._predicted = True, now, False
+        self._started, self._predicted = now, False
         if self.state != "trial":
             return
         self._index += 1
@@ -110,13 +109,13 @@ class StepTrial:
     def interrupted(self) -> None:
         """What follows is no continuation of the step in progress (a prefill chunk, a job's end)."""
         self._close(None)
-        self._open, self._started, self._predicted = False, None, False
+        self._started, self._predicted = None, False
 
     # -- internals ---------------------------------------------------------
 
     def _close(self, now: float | None) -> None:
         """The step in progress ended at `now` (None: its end is not a next step's start)."""
-        if not self._open:
+        if self._started is None:
             return
         if not self.prefetching and (self._predicted or self.state == "off"):
             self.steps_without += 1
@@ -124,7 +123,7 @@ class StepTrial:
             self._held += 1
             if self.state == "on" and self._held >= self.recheck_steps:
                 self._retry()  # the steps predict: the trial can start with the next one
-        elif self._predicted and now is not None and self._started is not None and self._index > 0:
+        elif self._predicted and now is not None and self._index > 0:
             self._epoch.append((now - self._started) * 1e3)
 
     def _verdict(self) -> None:
