@@ -126,14 +126,13 @@ def _wait_for_line(stream, needle: str, timeout: float) -> str | None:
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm to see the slab")
-@pytest.mark.parametrize("order", ["interleaved", "sequential"])
-def test_sigterm_stops_the_started_systems_and_unlinks_their_slabs(cache, order):
+def test_sigterm_stops_the_started_systems_and_unlinks_their_slabs(cache):
     """SIGTERM once a system has started and warmed up (its jobs are running): the bench stops
     every system it started on the way out."""
     before = _slabs()
     command = [arg for arg in _command(cache, "--repeats", "50") if arg != "--json"]  # progress lines
     bench = subprocess.Popen(
-        command + (["--sequential"] if order == "sequential" else []),
+        command,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

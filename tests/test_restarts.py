@@ -179,9 +179,7 @@ def _lost_with(stderr: str, pid: int) -> int | None:
 
 
 def test_an_io_worker_killed_mid_job_is_restarted_and_the_job_completes_unchanged(model, want, tmp_path):
-    # Prefetch off: every read is a demand read the step waits for, so at any token a kill almost
-    # always lands while worker 0 is reading (auto's trial epochs made that a matter of chance).
-    launched = launch(tmp_path, model_args(model) + ["--test-io-read-delay-ms", "60", "--prefetch", "off"])
+    launched = launch(tmp_path, model_args(model) + ["--test-io-read-delay-ms", "60"])
     seen = [*launched.pids.values()]
     in_flight = []
     for attempt in range(3):  # until the kill lands while worker 0 has a load (almost always the first)
