@@ -38,6 +38,7 @@ from coordinator.io_results import (
     StaleGenerationError,
 )
 from coordinator.io_sessions import IOWorkerSessions, SessionEvents, WorkerSession, running
+from coordinator.liveness import ProgressDeadline
 from coordinator.residency_backend import Consumer, ExpertIOHintSnapshot
 from shared.checks import require_int
 from shared.io_messages import Cancel, Load, Loaded, WorkerTelemetry
@@ -90,6 +91,7 @@ class IOWorkerBackend:
         hint_capacity: int = 64,
         context: zmq.asyncio.Context | None = None,
         replacement_grace_s: float = 0.0,
+        deadline: ProgressDeadline | None = None,
     ) -> None:
         if not replacement_grace_s >= 0:  # NaN too
             raise ValueError(f"replacement_grace_s must be >= 0, got {replacement_grace_s!r}")
@@ -103,6 +105,7 @@ class IOWorkerBackend:
             workers=require_int(workers, "workers", minimum=1),
             hint_capacity=require_int(hint_capacity, "hint_capacity", minimum=1),
             events=events,
+            deadline=deadline,
         )
         self.endpoint: str = self._sessions.endpoint
         self._records = [_Slot() for _ in range(slab.total_slots)]
@@ -299,7 +302,7 @@ class IOWorkerBackend:
             error = self._sessions.try_send(worker, Load(slot=slot, generation=load.generation, segments=load.segments))
             if error is None:
                 load.worker, load.parked_until = worker.index, None
-                worker.outstanding.add((slot, load.generation))
+                self._sessions.owe(worker, slot, load.generation, sum(seg.length for seg in load.segments))
                 return
             logger.warning("I/O worker %d (pid %d) unreachable: %s", worker.index, worker.pid, error)
             if running(worker.process):

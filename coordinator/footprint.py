@@ -1,53 +1,37 @@
-"""The coordinator's memory footprint: what is compared with the plan's budget, and how it is measured.
+"""The whole system's memory footprint: what is compared with the budget, and how it is measured.
 
-The footprint is compared with the plan's `budget_bytes`, which covers the
-dense weights, the KV reserve and the slab (the safe-point policy,
-coordinator.safepoint, corrects it when it is over):
+    footprint = sum over the system's processes of (Pss - Pss_Shmem)
+              + slab resident bytes                  (tmpfs st_blocks: every touched page, once)
+              + test_footprint_offset_bytes          (a test knob; 0 in real runs)
 
-    footprint = dense_bytes                      (as the GPU worker reports them)
-              + slab resident bytes              (tmpfs st_blocks: every touched page, once)
-              + sum over the coordinator, the I/O workers and the GPU worker of
-                (private(p) now - private(p) when p started serving)
-              + test_footprint_offset_bytes      (a test knob; 0 in real runs)
+(shared/system_memory.py says why PSS, and why the slab is taken out of each
+process and counted once.) The processes are the coordinator, its I/O
+workers, the ready GPU worker (its dense weights, KV cache, MLX buffers and
+copies of leased slots are all in its PSS) and the run's `counted_pids`
+(the supervisor, when `moeslab-launch` started the system; a program that
+embeds the system, such as a test, is not counted). A process one of them
+started counts as part of it: MLX's CPU backend compiles each new fused kernel
+by running g++ (~108 MiB here), and the GPU worker asks the budget to keep room
+for it (gpuworker/lanes.py).
 
-private(p) is the process's anonymous memory, resident or swapped out: RssAnon +
-VmSwap of /proc/PID/status on Linux (RssAnon is psutil's `rss - shared`; one
-small read, cheap): unlike USS it excludes the slab's shared-memory pages,
-which USS counts for a page only one process has mapped (counting them twice),
-and clean file pages such as library code, which the kernel drops without
-swapping. Elsewhere it is psutil's USS (which may count slab pages twice). The processes'
-private memory when they started serving (the GPU worker's at `gpu_ready`,
-minus the dense weights it holds; the others' when the I/O workers were
-ready) is Python, the libraries and the tokenizer: the plan never budgeted it,
-so it is reported as `overhead_bytes` and not compared. Growth after that (KV
-cache, MLX's buffers and copies of leased slots, Python heap) is what the KV
-reserve is for, and counts.
+The budget covers all of it. The plan the supervisor makes before anything
+runs can only bound the slab by the dense weights; once every process is
+ready, the coordinator measures what they use (the *baseline*) and sizes the
+slab's usable slots to what the budget leaves after the baseline and the KV
+reserve (`shared.plan.plan_after_baseline`). Growth after that (KV cache, MLX
+buffers, Python heap) is what the KV reserve is for; pressure correction
+(coordinator.safepoint) acts on this figure when it is exceeded anyway.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import psutil
 
 from shared.slab import Slab
-
-
-def process_private_bytes(pid: int) -> int:
-    """Private anonymous bytes of `pid`, resident or swapped out (module docstring); psutil.Error if gone."""
-    if sys.platform.startswith("linux"):
-        try:
-            with open(f"/proc/{pid}/status", "rb") as status:  # one small read: cheap enough for every token
-                fields = dict(line.split(b":", 1) for line in status.read().splitlines() if b":" in line)
-        except (FileNotFoundError, ProcessLookupError):
-            raise psutil.NoSuchProcess(pid) from None
-        if b"RssAnon" in fields:  # kB; swapped-out pages count too, or swapping would hide pressure
-            return sum(int(fields.get(key, b"0 kB").split()[0]) for key in (b"RssAnon", b"VmSwap")) * 1024
-        info = psutil.Process(pid).memory_info()  # kernels before 4.5: RssAnon is rss - shared
-        return max(0, info.rss - info.shared)
-    return psutil.Process(pid).memory_full_info().uss
+from shared.system_memory import ProcessMemory, descendant_pids, process_memory
 
 
 class FootprintMeter:
@@ -57,22 +41,22 @@ class FootprintMeter:
         self,
         *,
         slab: Slab,
-        pids: Callable[[], Sequence[int]],
-        dense_bytes: Callable[[], int],
+        pids: Callable[[], Mapping[str, int]],
         interval_s: float,
         offset: int = 0,
-        read: Callable[[int], int] = process_private_bytes,
+        read: Callable[[int], ProcessMemory] = process_memory,
+        below: Callable[..., Iterable[int]] = descendant_pids,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._slab, self._pids, self._dense, self._read, self._clock = slab, pids, dense_bytes, read, clock
+        self._slab, self._pids, self._read, self._below, self._clock = slab, pids, read, below, clock
         self._interval = interval_s
         self._offset = offset
-        self._base: dict[int, int] = {}  # pid -> private bytes at its first sample
-        self._now: dict[int, int] = {}
+        self._now: dict[str, tuple[int, int]] = {}  # role -> (pid, own bytes at the last sample)
         self._last: float | None = None
         self.samples = 0
         self.job_peak = 0
         self.run_peak = 0
+        self.baseline = 0  # the processes' bytes when the slab was sized (mark_baseline)
 
     def sample(self, *, force: bool = False) -> bool:
         """Measure every process now, unless the last sample is more recent than the interval."""
@@ -80,45 +64,60 @@ class FootprintMeter:
         if not force and self._last is not None and now - self._last < self._interval:
             return False
         self._last = now
-        current: dict[int, int] = {}
-        for pid in dict.fromkeys(self._pids()):
+        current: dict[str, tuple[int, int]] = {}
+        roles = self._pids()
+        for role, pid in roles.items():
             try:
-                current[pid] = self._read(pid)
+                own = self._read(pid).own
             except (psutil.Error, OSError):  # exiting (it leaves the listing soon): its last reading stands
-                if pid not in self._now:
+                if role in self._now and self._now[role][0] == pid:
+                    current[role] = self._now[role]
+                continue
+            # A process it started (MLX's kernel compiler) counts as its own; one of the roles (the
+            # supervisor's children) counts in its own right.
+            for child in self._below(pid, skip=roles.values()):
+                try:
+                    own += self._read(child).own
+                except (psutil.Error, OSError):
                     continue
-                current[pid] = self._now[pid]
-            self._base.setdefault(pid, current[pid])
-        self._base = {pid: base for pid, base in self._base.items() if pid in current}
+            current[role] = (pid, own)
         self._now = current
         self.samples += 1
         footprint = self.footprint()
         self.job_peak, self.run_peak = max(self.job_peak, footprint), max(self.run_peak, footprint)
         return True
 
-    def growth(self) -> int:
-        return sum(self._now[pid] - self._base[pid] for pid in self._now)
+    def readings(self) -> dict[str, tuple[int, int]]:
+        """Role -> (pid, own bytes) at the last sample."""
+        return dict(self._now)
+
+    def parts(self) -> dict[str, int]:
+        """Each process's own bytes at the last sample, by role."""
+        return {role: own for role, (_, own) in self._now.items()}
+
+    def processes_bytes(self) -> int:
+        return sum(own for _, own in self._now.values())
 
     def slab_bytes(self) -> int:
         return self._slab.resident_bytes()
 
     def footprint(self) -> int:
-        """Dense + slab resident (live) + growth (last sample) + the test offset."""
-        return self._dense() + self.slab_bytes() + self.growth() + self._offset
+        """Processes (last sample) + slab resident (live) + the test offset."""
+        return self.processes_bytes() + self.slab_bytes() + self._offset
 
-    def overhead(self) -> int:
-        """The processes' private memory at start, less the dense weights: not compared."""
-        return max(0, sum(self._base.values()) - self._dense())
+    def mark_baseline(self) -> int:
+        """Sample now and keep the processes' bytes as the baseline the slab is sized after."""
+        self.sample(force=True)
+        self.baseline = self.processes_bytes()  # the test offset stands for growth, not for the baseline
+        return self.baseline
 
     def begin_job(self) -> None:
         self.job_peak = self.footprint()
 
     def describe(self) -> str:
+        parts = " + ".join(f"{role} {own}" for role, own in self.parts().items())
         offset = f" + test offset {self._offset}" if self._offset else ""
-        return (
-            f"dense weights {self._dense()} + slab resident {self.slab_bytes()} + process growth "
-            f"{self.growth()}{offset}"
-        )
+        return f"processes ({parts or 'none'}) + slab resident {self.slab_bytes()}{offset}"
 
 
-__all__ = ["FootprintMeter", "process_private_bytes"]
+__all__ = ["FootprintMeter"]

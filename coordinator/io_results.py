@@ -57,6 +57,7 @@ class BackendTelemetry:
     bytes: int = 0
     in_flight: int = 0
     workers_lost: int = 0
+    workers_hung: int = 0  # of those lost, killed as hung (silent past their progress deadline)
     resubmitted: int = 0  # loads of a lost worker sent again (to another or its restarted one)
 
 

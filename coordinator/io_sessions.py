@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.io_results import BackendStateError, IOWorkerStartError
+from coordinator.liveness import ProgressDeadline, kill_hung
 from coordinator.residency_backend import ExpertIOHintSnapshot
 from shared.io_messages import (
     WORKER_REPLIES,
@@ -60,7 +61,8 @@ class WorkerSession:
     ready: bool = False
     lost: bool = False
     modes: tuple[str, ...] = ()
-    outstanding: set[tuple[int, int]] = field(default_factory=set)  # (slot, generation) loads it owes
+    outstanding: dict[tuple[int, int], int] = field(default_factory=dict)  # (slot, generation) it owes -> bytes
+    progress_at: float = 0.0  # its last message, or when it began to owe (coordinator/liveness.py)
     hints_sent: int = 0
     hint_status: HintStatus = field(default_factory=HintStatus)
     telemetry_waiters: list[asyncio.Future[WorkerTelemetry]] = field(default_factory=list)
@@ -98,19 +100,27 @@ class IOWorkerSessions:
     """The ROUTER the I/O workers connect to, and one session per worker index."""
 
     def __init__(
-        self, *, context: zmq.asyncio.Context, endpoint: str, workers: int, hint_capacity: int, events: SessionEvents
+        self,
+        *,
+        context: zmq.asyncio.Context,
+        endpoint: str,
+        workers: int,
+        hint_capacity: int,
+        events: SessionEvents,
+        deadline: ProgressDeadline | None = None,
     ) -> None:
         self._sock = open_socket(context, zmq.ROUTER, bind=endpoint)
         self.endpoint: str = bound_endpoint(self._sock)
         self.expected = workers
         self._hint_capacity = hint_capacity
         self._events = events
+        self._deadline = deadline  # None: hung workers are not looked for
         self.workers: dict[int, WorkerSession] = {}
         self._by_identity: dict[bytes, int] = {}
         self._start_errors: dict[int, str] = {}
         self._receiver: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self.counts = dict(bad_replies=0, worker_errors=0, workers_lost=0)
+        self.counts = dict(bad_replies=0, worker_errors=0, workers_lost=0, workers_hung=0)
         self._hint_local = dict(submitted=0, dropped=0, errors=0)
         # Hint counters of workers that were replaced, so the totals never go backwards.
         self._retired_hints = dict(completed=0, dropped=0, operations=0, bytes=0, errors=0)
@@ -282,10 +292,33 @@ class IOWorkerSessions:
         """Notice dead workers by pid (nobody may call worker_lost), and give the slot side its tick."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
             for worker in list(self.workers.values()):
                 if not worker.lost and not running(worker.process):
                     self.worker_lost(worker.index, f"pid {worker.pid} exited")
+                elif not worker.lost and worker.outstanding and self._deadline is not None:
+                    self._judge(worker, now, self._deadline)
             self._events.tick()
+
+    def owe(self, worker: WorkerSession, slot: int, generation: int, nbytes: int) -> None:
+        """`worker` now owes this load; its progress clock starts if it owed nothing."""
+        if not worker.outstanding:
+            worker.progress_at = time.monotonic()
+        worker.outstanding[(slot, generation)] = nbytes
+
+    def _judge(self, worker: WorkerSession, now: float, deadline: ProgressDeadline) -> None:
+        """Kill a worker that owes loads and has been silent past their deadline; then it is lost."""
+        allowed = deadline.io_allowance(owed_bytes=sum(worker.outstanding.values()), owed_loads=len(worker.outstanding))
+        silent = now - worker.progress_at
+        if silent <= allowed:
+            return
+        reason = (
+            f"no message for {silent:.1f} s while it owes {len(worker.outstanding)} loads "
+            f"({sum(worker.outstanding.values())} bytes; allowed {allowed:.1f} s)"
+        )
+        self.counts["workers_hung"] += 1
+        kill_hung(worker.process, worker.pid, f"I/O worker {worker.index}", reason)
+        self.worker_lost(worker.index, f"hung: {reason}")
 
     async def _receive(self) -> None:
         while True:
@@ -320,10 +353,10 @@ class IOWorkerSessions:
         worker = None if index is None else self.workers[index]
         if worker is None:
             return self._bad("%r from %s before its hello", reply, identity)
+        worker.progress_at = time.monotonic()
         if isinstance(reply, Loaded):
             key = (reply.slot, reply.generation)
-            owed = key in worker.outstanding
-            worker.outstanding.discard(key)
+            owed = worker.outstanding.pop(key, None) is not None
             self._events.loaded(worker, reply, owed)
         elif isinstance(reply, Ready):
             if reply.index != worker.index:

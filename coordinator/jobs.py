@@ -10,9 +10,10 @@ Bad input never stops the door and never half-changes it: a frame that is
 not msgpack is dropped (there is nothing to answer); a frame over
 `MAX_REQUEST_BYTES` gets `error` code `message_too_large` unread; every other
 refusal (not a map, unknown op, wrong type, out-of-range value, both or
-neither prompt, a prompt longer than the model's context, a token outside the
-vocabulary, a duplicate id) gets `error` with the request's id when one could
-be read, before anything is queued.
+neither prompt, a request over a limit of `coordinator.job_limits` (tokens,
+the client's share of the queue), a token outside the vocabulary, a duplicate
+id) gets `error` with the request's id when one could be read, before
+anything is queued.
 
 Client liveness: the jobs socket is a ROUTER with ROUTER_MANDATORY and no
 send high-water mark, so a send can only fail because the peer identity is
@@ -31,18 +32,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from coordinator.job_limits import DEFAULT_QUEUE_LIMIT, FrontDoorLimits, validate
 from shared.gpu_messages import Job, JobCancel, JobDone, JobError, Token
 from shared.job_messages import (
     CANCELLED,
+    CLIENT_QUEUE_FULL,
     COORDINATOR_ACCEPTS_FROM_CLIENTS,
     DUPLICATE_ID,
     MAX_ID_CHARS,
-    MAX_REQUEST_BYTES,
-    PROMPT_TOO_LONG,
     TOO_LARGE,
     UNKNOWN_JOB,
     WORKER_FAILED,
@@ -54,6 +55,7 @@ from shared.job_messages import (
     HealthRequest,
     JobFailed,
     JobStats,
+    ProcessInfo,
     StatsReply,
     StatsRequest,
     TokenEvent,
@@ -63,7 +65,7 @@ from shared.protocol import BAD_FRAME, BAD_REQUEST, ProtocolError, decode, unpac
 logger = logging.getLogger(__name__)
 
 HOOK_VIOLATION = "test_hook_violation"  # error code of a job during which a test hook saw a violation
-DEFAULT_QUEUE_LIMIT = 16
+DEFAULT_LIMITS = FrontDoorLimits()
 
 
 class JobHost(Protocol):
@@ -95,29 +97,9 @@ class JobHost(Protocol):
 
     def cumulative_stats(self) -> JobStats: ...
 
-
-@dataclass(frozen=True, slots=True)
-class FrontDoorLimits:
-    queue_limit: int = DEFAULT_QUEUE_LIMIT  # jobs waiting behind the running one
-    context_tokens: int | None = None  # the model's max_position_embeddings, when known
-    vocab_size: int | None = None
-    max_request_bytes: int = MAX_REQUEST_BYTES
-
-    @classmethod
-    def for_model(cls, config: Mapping[str, Any], *, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> FrontDoorLimits:
-        """Limits from a model's config.json (a `text_config` inside it counts too)."""
-        return cls(
-            queue_limit=queue_limit,
-            context_tokens=_positive(config, "max_position_embeddings"),
-            vocab_size=_positive(config, "vocab_size"),
-        )
-
-
-def _positive(config: Mapping[str, Any], key: str) -> int | None:
-    value = config.get(key)
-    if value is None and isinstance(config.get("text_config"), Mapping):
-        value = config["text_config"].get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    def processes(self) -> tuple[ProcessInfo, ...]:
+        """Who serves now (the supervisor's process table)."""
+        return ()
 
 
 @dataclass(slots=True)
@@ -133,37 +115,10 @@ class _Job:
     client_gone: bool = False
 
 
-def validate(request: Generate, limits: FrontDoorLimits) -> tuple[str, str] | None:
-    """(code, message) of why a well-typed generate is refused, or None."""
-    if not request.id:
-        return BAD_REQUEST, "id must not be empty"
-    if (request.prompt is None) == (request.prompt_tokens is None):
-        return BAD_REQUEST, "give exactly one of prompt and prompt_tokens"
-    if request.prompt is not None and not request.prompt:
-        return BAD_REQUEST, "prompt is empty"
-    tokens = request.prompt_tokens
-    if tokens is not None:
-        if not tokens:
-            return BAD_REQUEST, "prompt_tokens is empty"
-        if limits.context_tokens is not None and len(tokens) > limits.context_tokens:
-            return PROMPT_TOO_LONG, (
-                f"the prompt has {len(tokens)} tokens; the model's context is "
-                f"{limits.context_tokens} (max_position_embeddings)"
-            )
-        if limits.vocab_size is not None and max(tokens) >= limits.vocab_size:
-            return BAD_REQUEST, f"prompt token {max(tokens)} is outside the vocabulary of {limits.vocab_size}"
-    # A text prompt's token count is the GPU worker's to check (it tokenizes): prompt_too_long.
-    if request.temperature < 0:
-        return BAD_REQUEST, f"temperature must be >= 0, got {request.temperature}"
-    if not 0 < request.top_p <= 1:
-        return BAD_REQUEST, f"top_p must be in (0, 1], got {request.top_p}"
-    return None
-
-
 class JobFrontDoor:
     """FIFO of generate jobs over one GPU worker."""
 
-    def __init__(self, *, host: JobHost, limits: FrontDoorLimits = FrontDoorLimits()) -> None:
+    def __init__(self, *, host: JobHost, limits: FrontDoorLimits = DEFAULT_LIMITS) -> None:
         self._host = host
         self._limits = limits
         self._queue: deque[_Job] = deque()
@@ -237,6 +192,11 @@ class JobFrontDoor:
             logger.info("busy: refused %r with %d jobs queued", request.id, len(self._queue))
             self._send(identity, Busy(id=request.id, queued=len(self._queue)))
             return
+        share, held = self._limits.per_client, sum(job.identity == identity for job in self._queue)
+        if held >= share:  # one client must not fill the queue others wait in
+            message = f"this client has {held} jobs queued; the limit is {share} per client (--max-queued-per-client)"
+            self._reply_error(identity, CLIENT_QUEUE_FULL, message, request.id)
+            return
         self._next_id += 1
         self._queue.append(_Job(self._next_id, identity, request))
         logger.info("job %d (%r) queued; %d waiting", self._next_id, request.id, len(self._queue))
@@ -262,6 +222,7 @@ class JobFrontDoor:
             queued=len(self._queue),
             running=running,
             stats=self._host.cumulative_stats(),
+            processes=self._host.processes(),
         )
 
     # ------------------------------------------------------------ the GPU
@@ -282,6 +243,8 @@ class JobFrontDoor:
             seed=request.seed,
             return_logprobs=request.return_logprobs,
             predict=self._host.job_predicts(),
+            max_prompt_tokens=self._limits.flag_prompt_limit(),
+            fit_context=self._limits.context_tokens is not None,
         )
         self._running = job
         job.started_at = time.monotonic()
@@ -324,10 +287,10 @@ class JobFrontDoor:
         else:
             await self._finish(job, None, (message.code, message.message))
 
-    async def gpu_lost(self, reason: str) -> None:
-        """The GPU worker is gone: the running job fails; queued ones wait for a new worker."""
+    async def gpu_lost(self, reason: str, *, code: str = WORKER_FAILED) -> None:
+        """The GPU worker is gone (`code` says how): the running job fails; queued ones wait for a new worker."""
         if self._running is not None:
-            await self._finish(self._running, None, (WORKER_FAILED, f"the GPU worker was lost: {reason}"))
+            await self._finish(self._running, None, (code, f"the GPU worker was lost: {reason}"))
 
     async def _finish(self, job: _Job, done: JobDone | None, failure: tuple[str, str] | None) -> None:
         # No longer running (late messages for it are ignored), but the next job must not

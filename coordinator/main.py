@@ -22,10 +22,12 @@ import zmq
 import zmq.asyncio
 
 from coordinator.backend import IOWorkerBackend
+from coordinator.liveness import ProgressDeadline
 from coordinator.service import GPU_MAX_MESSAGE_BYTES, JOBS_MAX_MESSAGE_BYTES, Coordinator
 from coordinator.usage import ExpertUsageLedger
 from shared.commands import parse_coordinator_argv
 from shared.config import RunConfig, read_config
+from shared.curve import load_server_keys
 from shared.process import ProcessLife
 from shared.slab import Slab
 from shared.sockets import open_socket
@@ -78,17 +80,22 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
             files=len(store.manifest),
             context=context,
             replacement_grace_s=config.io_replacement_grace_s,
+            deadline=ProgressDeadline(
+                timeout_s=config.hang_timeout_s, per_load_s=(config.test_io_read_delay_ms or 0.0) / 1e3
+            ),
         )
-        for endpoint, max_bytes in (
-            (config.endpoints.gpu, GPU_MAX_MESSAGE_BYTES),
-            (config.endpoints.jobs, JOBS_MAX_MESSAGE_BYTES),
+        # Only the job front door may face the network: a CURVE server when the run has keys.
+        curve = load_server_keys(config.curve_keys) if config.curve_keys else None
+        for endpoint, max_bytes, keys in (
+            (config.endpoints.gpu, GPU_MAX_MESSAGE_BYTES, None),
+            (config.endpoints.jobs, JOBS_MAX_MESSAGE_BYTES, curve),
         ):
-            sockets.append(open_socket(context, zmq.ROUTER, bind=endpoint, max_message_bytes=max_bytes))
+            sockets.append(open_socket(context, zmq.ROUTER, bind=endpoint, max_message_bytes=max_bytes, curve=keys))
         coordinator = Coordinator(
             config=config, store=store, slab=slab, io=io, gpu_sock=sockets[0], jobs_sock=sockets[1], ledger=ledger
         )
         logger.info(
-            "serving %s: %d slots of %d bytes (%d working, %d per layer, %d pinned, replacement %s); jobs at %s",
+            "serving %s: %d slots of %d bytes (%d working, %d per layer, %d pinned, replacement %s); jobs at %s%s",
             config.model_dir,
             config.plan.total_slots,
             config.plan.slot_bytes,
@@ -97,6 +104,7 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
             config.plan.pinned_slots,
             coordinator.manager.replacement,
             config.endpoints.jobs,
+            " (CURVE)" if curve else "",
         )
         tasks = [
             loop.create_task(coro, name=coro.__name__)
@@ -105,6 +113,7 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
                 coordinator.serve_gpu(),
                 coordinator.serve_jobs(),
                 coordinator.watch_gpu(),
+                coordinator.sizing.hold(),
                 coordinator.safepoints.flush_periodically(),
             )
         ]

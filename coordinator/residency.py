@@ -105,6 +105,29 @@ class ExpertResidencyManager(PrefetchingCore):
             )
         return self.snapshot(footprint)
 
+    def limit_layer_slots(self, per_layer: int) -> int:
+        """Keep at most `per_layer` resident slots per sparse layer (at least one); disable the rest.
+
+        The slab is sized once the processes' memory is measured (coordinator.footprint): the
+        disabled slots are never loaded, so their pages are never allocated. Idle slots go first,
+        then the least recent ready ones. Returns how many slots were disabled."""
+        self._require_safe_point("sizing the slab")
+        keep = max(1, per_layer)
+        disabled = 0
+        for layer, ids in self._layer_slots.items():
+            # Kept first: slots busy loading, then the most recent ready ones; idle ones go first.
+            order = {"idle": 2, "ready": 1}
+            records = sorted((self._slots[i] for i in ids), key=lambda r: (order.get(r.phase, 0), -r.last_use, r.id))
+            for record in records[keep:]:
+                if record.phase not in order:
+                    continue
+                if record.phase == "ready":
+                    self._table.forget(record)
+                self._layer_slots[layer].discard(record.id)
+                record.role, record.layer = "disabled", None
+                disabled += 1
+        return disabled
+
     async def preload_pinned(self) -> None:
         """Load the configured pinned experts before the first model forward."""
         self._require_safe_point("pinned preload")

@@ -17,17 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass, replace
+import time
+from dataclasses import replace
 
-import psutil
 import zmq
 import zmq.asyncio
 
 from coordinator.backend import IOWorkerBackend
 from coordinator.fence_checks import FenceCheckedBackend, with_fence_checks
 from coordinator.footprint import FootprintMeter
+from coordinator.gpu_session import GpuSession, alive
 from coordinator.jobs import FrontDoorLimits, JobFrontDoor
 from coordinator.leases import LeaseService
+from coordinator.liveness import GpuProgress, ProgressDeadline, kill_hung
+from coordinator.memory_budget import SlabSizing, measured_processes, system_roles
 from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.prefetch import PrefetchBook, prefetch_count
 from coordinator.residency import ExpertResidencyManager
@@ -50,7 +53,16 @@ from shared.gpu_messages import (
     Routes,
     Token,
 )
-from shared.job_messages import MAX_REQUEST_BYTES, PRESSURE, SHUTTING_DOWN, HealthReply, JobStats
+from shared.job_messages import (
+    MAX_REQUEST_BYTES,
+    PRESSURE,
+    SHUTTING_DOWN,
+    WORKER_FAILED,
+    WORKER_HUNG,
+    HealthReply,
+    JobStats,
+    ProcessInfo,
+)
 from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode, encode
 from shared.slab import Slab
 from shared.store import ExpertStore
@@ -58,6 +70,8 @@ from shared.store import ExpertStore
 logger = logging.getLogger("coordinator")
 
 NOT_READY = "not_ready"
+
+
 WATCH_INTERVAL_S = 0.5
 # A frame over ZMQ_MAXMSGSIZE is not refused: it drops the peer's connection. The jobs and GPU
 # sockets must take the largest legal `generate` (1 Mi prompt tokens at up to 9 msgpack bytes) and
@@ -66,24 +80,6 @@ WATCH_INTERVAL_S = 0.5
 # (`message_too_large`, by the front door) instead of silently dropping the client.
 GPU_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 JOBS_MAX_MESSAGE_BYTES = 2 * MAX_REQUEST_BYTES + 8 * 1024 * 1024
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-@dataclass(frozen=True, slots=True)
-class _GpuSession:
-    epoch: int = 0
-    identity: bytes | None = None
-    pid: int = 0
-    ready: bool = False
-    dense_bytes: int = 0
-    wrap_path: str = "copy"
-    leaving: str = ""  # the worker's goodbye: why it exits (its exit is then not a loss)
 
 
 class Coordinator:
@@ -102,7 +98,8 @@ class Coordinator:
     ) -> None:
         self.config, self.store, self.slab, self.ledger = config, store, slab, ledger
         self.io, self.gpu_sock, self.jobs_sock = io, gpu_sock, jobs_sock
-        self.gpu = _GpuSession()
+        self.gpu = GpuSession()
+        self.progress = GpuProgress(ProgressDeadline(timeout_s=config.hang_timeout_s))
         self.fence_checked = with_fence_checks(io, config.test_hooks, slab=slab)
         self.timer = LoadTimer()
         if config.test_footprint_offset_bytes:
@@ -111,8 +108,7 @@ class Coordinator:
             )
         self.meter = FootprintMeter(
             slab=slab,
-            pids=self._pids,
-            dense_bytes=lambda: self.gpu.dense_bytes,
+            pids=self._roles,
             interval_s=config.footprint_interval_ms / 1e3,
             offset=config.test_footprint_offset_bytes,
         )
@@ -128,6 +124,7 @@ class Coordinator:
             replacement=config.replacement,
         )
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
+        self.sizing = SlabSizing(config, self.meter, self.manager)
         self.safepoints = SafePoints(
             manager=self.manager,
             backend=self.backend,
@@ -137,9 +134,7 @@ class Coordinator:
             flush_interval_s=config.usage_flush_s,
         )
         self.book = JobBook(leases=self.leases, manager=self.manager, meter=self.meter, timer=self.timer)
-        self.front = JobFrontDoor(
-            host=self, limits=FrontDoorLimits.for_model(store.config, queue_limit=config.queue_limit)
-        )
+        self.front = JobFrontDoor(host=self, limits=FrontDoorLimits.for_run(store.config, config))
         self.io_ready = False
         self.stopping = False
         self._violations = 0
@@ -161,6 +156,7 @@ class Coordinator:
             )
         self.io_ready = True
         logger.info("%d I/O workers ready", self.config.io_workers)
+        self._size_slab()
         self.front.poke()
 
     async def serve_gpu(self) -> None:
@@ -182,8 +178,13 @@ class Coordinator:
     async def watch_gpu(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if self.gpu.identity is not None and not _alive(self.gpu.pid):
+            if self.gpu.identity is not None and not alive(self.gpu.pid):
                 await self._gpu_lost(f"GPU worker pid {self.gpu.pid} exited", expected=bool(self.gpu.leaving))
+            elif self.gpu.ready and self.front.running is not None:
+                reason = self.progress.overdue(time.monotonic())
+                if reason is not None:  # killed, then handled as lost: the job fails `worker_hung`
+                    kill_hung(None, self.gpu.pid, "GPU worker", reason)
+                    await self._gpu_lost(f"hung: {reason}", code=WORKER_HUNG)
 
     # ------------------------------------------------------ the GPU worker
 
@@ -221,7 +222,13 @@ class Coordinator:
                 self._send(self.gpu_sock, identity, ErrorReply(NOT_READY, "the I/O workers are not ready yet"))
                 return
             epoch = self.gpu.epoch
-            reply = await self.leases.handle(message)
+            self.progress.serving = True  # until answered, the worker waits on us, not we on it
+            try:
+                reply = await self.leases.handle(message)
+            finally:
+                self.progress.serving, self.progress.at = False, time.monotonic()
+            if isinstance(message, Routes):
+                self.progress.rows = message.routes.array.shape[0]
             if self.gpu.epoch != epoch:  # the worker was lost while its wave was being loaded
                 self.leases.release_for_lost_worker("lost while its wave was being loaded")
                 return
@@ -247,14 +254,14 @@ class Coordinator:
                 logger.info("GPU worker pid %d said hello again", hello.pid)
                 self._welcome(identity)
                 return
-            if current.pid != hello.pid and _alive(current.pid):
+            if current.pid != hello.pid and alive(current.pid):
                 # Releasing a live worker's lease could let a slot be rewritten under its reads.
                 message = f"GPU worker pid {current.pid} is connected and alive; refusing pid {hello.pid}"
                 logger.warning("%s", message)
                 self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
                 return
             await self._gpu_lost(f"a new GPU worker (pid {hello.pid}) said hello")
-        self.gpu = _GpuSession(epoch=self.gpu.epoch + 1, identity=identity, pid=hello.pid)
+        self.gpu = GpuSession(epoch=self.gpu.epoch + 1, identity=identity, pid=hello.pid)
         logger.info("GPU worker pid %d connected", hello.pid)
         self._welcome(identity)
 
@@ -291,28 +298,34 @@ class Coordinator:
             logger.error("%s", message)
             self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
             return
-        self.gpu = _GpuSession(
+        self.gpu = GpuSession(
             epoch=self.gpu.epoch,
             identity=identity,
             pid=self.gpu.pid,
             ready=True,
             dense_bytes=ready.dense_bytes,
             wrap_path=ready.wrap_path,
+            compiler_bytes=ready.compiler_bytes,
         )
         logger.info(
-            "GPU worker pid %d ready: %d dense bytes, wrap path %s", ready.pid, ready.dense_bytes, ready.wrap_path
+            "GPU worker pid %d ready: %d dense bytes, wrap path %s, kernel compiler reserve %d",
+            ready.pid,
+            ready.dense_bytes,
+            ready.wrap_path,
+            ready.compiler_bytes,
         )
-        self.meter.sample(force=True)  # its baseline: Python, libraries, tokenizer and the dense weights
+        self.meter.sample(force=True)
+        self._size_slab()
         self.front.poke()
 
-    async def _gpu_lost(self, reason: str, *, expected: bool = False) -> None:
+    async def _gpu_lost(self, reason: str, *, expected: bool = False, code: str = WORKER_FAILED) -> None:
         if expected:  # it said goodbye first: a stop, not a failure (any job was already answered)
             logger.info("GPU worker gone: %s after its goodbye", reason)
         else:
             logger.error("GPU worker lost: %s", reason)
-        self.gpu = _GpuSession(epoch=self.gpu.epoch + 1)
+        self.gpu = GpuSession(epoch=self.gpu.epoch + 1)
         self.leases.release_for_lost_worker(reason)
-        await self.front.gpu_lost(reason)
+        await self.front.gpu_lost(reason, code=code)
 
     # ------------------------------------------------------ JobHost
 
@@ -320,10 +333,11 @@ class Coordinator:
         return self._send(self.jobs_sock, identity, message)
 
     def send_gpu(self, message: object) -> bool:
+        self.progress.at = time.monotonic()  # a job (or a cancel) gives it work: its clock starts
         return self.gpu.identity is not None and self._send(self.gpu_sock, self.gpu.identity, message)
 
     def ready(self) -> bool:
-        return self.io_ready and self.gpu.ready and not self.stopping
+        return self.io_ready and self.gpu.ready and self.sizing.sized is not None and not self.stopping
 
     def health(self, request_id: str) -> HealthReply:
         return HealthReply(
@@ -333,7 +347,14 @@ class Coordinator:
             io_workers=len(self.io.worker_modes()),
             gpu_worker=self.gpu.ready,
             accepting=not self.stopping,
+            processes=self.processes(),
+            baseline_bytes=self.meter.baseline,
+            compiler_bytes=self.sizing.compiler_bytes,
+            slots_per_layer=self.sizing.sized.slots_per_layer if self.sizing.sized is not None else 0,
         )
+
+    def processes(self) -> tuple[ProcessInfo, ...]:
+        return measured_processes(self.meter, self.config.run_dir)
 
     def job_predicts(self) -> bool:
         return self.manager.prefetch_book.job_starts()
@@ -390,10 +411,13 @@ class Coordinator:
         if report is not None and report.failed:
             self.front.fail_running(PRESSURE, report.message())
 
-    def _pids(self) -> list[int]:
-        """The processes whose memory counts: this one, the ready I/O workers, the ready GPU worker."""
-        pids = [os.getpid(), *self.io.worker_pids().values()]
-        return pids + [self.gpu.pid] if self.gpu.ready else pids
+    def _roles(self) -> dict[str, int]:
+        return system_roles(self.config, self.io.worker_pids(), self.gpu.pid if self.gpu.ready else None)
+
+    def _size_slab(self) -> None:
+        """The first time every process is ready: the slab gets what the budget leaves after them."""
+        if self.io_ready and self.gpu.ready and self.sizing.size(compiler_bytes=self.gpu.compiler_bytes):
+            self.front.poke()
 
     def _send(self, sock: zmq.asyncio.Socket, identity: bytes, message: object) -> bool:
         try:

@@ -78,7 +78,9 @@ class JobFigures:
     footprint: int
     peak_footprint: int
     budget: int
-    overhead: int
+    baseline: int
+    processes: int
+    slab: int
     io_fallback_ops: int
     prefetch: PrefetchTelemetry
 
@@ -119,7 +121,9 @@ def job_stats(job: JobFigures) -> JobStats:
         peak_footprint_bytes=job.peak_footprint,
         budget_bytes=job.budget,
         io_fallback_ops=job.io_fallback_ops,
-        overhead_bytes=job.overhead,
+        baseline_bytes=job.baseline,
+        processes_bytes=job.processes,
+        slab_bytes=job.slab,
         **prefetch_fields(job.prefetch, lease.misses),
     )
 
@@ -212,7 +216,7 @@ class RunTotals:
     def add_between_jobs(self, prefetch: PrefetchTelemetry) -> None:
         self._sums.prefetch = self._sums.prefetch + prefetch
 
-    def stats(self, *, now: ExpertResidencySnapshot, footprint: int, peak: int, budget: int, overhead: int) -> JobStats:
+    def stats(self, *, now: ExpertResidencySnapshot, meter: FootprintMeter, budget: int) -> JobStats:
         """The cumulative `JobStats`; evictions and swaps are the manager's totals since the start."""
         sums = self._sums
         served = sums.hits + sums.misses
@@ -240,11 +244,13 @@ class RunTotals:
             hints_skipped_resident=sums.hints_skipped,
             wrap_path=sums.wrap_path,
             bytes_copied=sums.bytes_copied,
-            footprint_bytes=footprint,
-            peak_footprint_bytes=peak,
+            footprint_bytes=meter.footprint(),
+            peak_footprint_bytes=meter.run_peak,
             budget_bytes=budget,
             io_fallback_ops=sums.io_fallback_ops,
-            overhead_bytes=overhead,
+            baseline_bytes=meter.baseline,
+            processes_bytes=meter.processes_bytes(),
+            slab_bytes=meter.slab_bytes(),
             **prefetch_fields(sums.prefetch, sums.misses),
         )
 
@@ -287,7 +293,9 @@ class JobBook:
             footprint=self._meter.footprint(),
             peak_footprint=self._meter.job_peak,
             budget=self._budget,
-            overhead=self._meter.overhead(),
+            baseline=self._meter.baseline,
+            processes=self._meter.processes_bytes(),
+            slab=self._meter.slab_bytes(),
             io_fallback_ops=io_fallback_ops,
             prefetch=self._manager.prefetch_book.drain(),
         )
@@ -296,13 +304,7 @@ class JobBook:
         return job_stats(figures)
 
     def cumulative(self) -> JobStats:
-        return self.totals.stats(
-            now=self._manager.snapshot(),
-            footprint=self._meter.footprint(),
-            peak=self._meter.run_peak,
-            budget=self._budget,
-            overhead=self._meter.overhead(),
-        )
+        return self.totals.stats(now=self._manager.snapshot(), meter=self._meter, budget=self._budget)
 
 
 __all__ = [

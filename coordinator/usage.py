@@ -25,6 +25,7 @@ from shared.usage_profile import (
     nonzero_rows,
     rank_counts,
     read_profile,
+    remove_stale_temp_files,
     write_profile,
 )
 
@@ -131,11 +132,16 @@ class ExpertUsageLedger:
 
         A damaged or unreadable profile is reported through `on_warning` (or the
         log when no callback is given) and ignored: all counts start at zero.
+        Temp files of flushes killed before their rename are removed (the ledger
+        is the profile's writer).
         """
         if on_warning is not None and not callable(on_warning):
             raise TypeError(f"on_warning must be callable or None, got {on_warning!r}")
         ledger = cls(path, layers=layers, experts_per_layer=experts_per_layer)
         read_profile(ledger._path, ledger._counts, on_warning=on_warning)
+        removed = remove_stale_temp_files(ledger._path)
+        if removed:
+            logger.info("removed %d temp file(s) of killed usage flushes: %s", len(removed), removed)
         return ledger
 
     @property

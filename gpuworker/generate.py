@@ -34,6 +34,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from shared.commands import DEFAULT_PREFILL_STEP
 from shared.gpu_messages import Job, JobDone, Token
+from shared.job_messages import CONTEXT_EXCEEDED
 
 __all__ = [
     "CANCELLED",
@@ -131,6 +132,21 @@ def prompt_ids(
             f"the prompt has {len(ids)} tokens; the model's context is {context} (max_position_embeddings)",
         )
     return ids
+
+
+def _check_limits(job: Job, prompt: int, context: int | None) -> None:
+    """The front door's limits on a prompt only this worker can count (coordinator/job_limits.py)."""
+    if job.max_prompt_tokens is not None and prompt > job.max_prompt_tokens:
+        raise JobRefused(
+            PROMPT_TOO_LONG,
+            f"the prompt has {prompt} tokens; the limit is {job.max_prompt_tokens} (--max-prompt-tokens)",
+        )
+    if job.fit_context and context is not None and prompt + job.max_tokens > context:
+        raise JobRefused(
+            CONTEXT_EXCEEDED,
+            f"the prompt's {prompt} tokens plus max_tokens {job.max_tokens} make {prompt + job.max_tokens}; "
+            f"the model's context is {context} (max_position_embeddings)",
+        )
 
 
 class _Forward:
@@ -232,13 +248,11 @@ def run_job(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
 ) -> Generation:
     """Run one `job`, sending a `Token` per token; JobRefused for a prompt it cannot take."""
+    context = context_length(config)
     ids = prompt_ids(
-        tokenizer,
-        prompt=job.prompt,
-        prompt_tokens=job.prompt_tokens,
-        context=context_length(config),
-        vocab=vocab_size(config),
+        tokenizer, prompt=job.prompt, prompt_tokens=job.prompt_tokens, context=context, vocab=vocab_size(config)
     )
+    _check_limits(job, len(ids), context)
 
     def emit(step: GeneratedToken) -> None:
         raw = None if step.logprobs is None else step.logprobs.astype("<f4").tobytes()

@@ -62,6 +62,18 @@ def resolve_lanes(requested: int | None) -> tuple[int, str]:
     return lanes, f"auto: CPU device, {cores} cores available"
 
 
+# MLX's CPU backend compiles each new fused kernel (an `mx.compile`d function, e.g. mlx-lm's
+# swiglu, or its sampler at a temperature not seen before: the value is baked into the kernel) by
+# running g++ as a child process: ~108 MiB peak RSS here, ~0.6 s. The kernels are cached on disk
+# (per MLX version), but a new temperature always compiles, so the budget keeps room for one.
+CPU_JIT_COMPILER_BYTES = 128 * 2**20
+
+
+def jit_compiler_bytes() -> int:
+    """Room the budget keeps for the compiler the device's backend starts (0: it compiles in-process)."""
+    return CPU_JIT_COMPILER_BYTES if mx.default_device().type == mx.DeviceType.cpu else 0
+
+
 def lane_stream(lane: int) -> mx.Stream:
     """The MLX stream of compute lane `lane` (0: the current default stream)."""
     if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < MAX_LANES:

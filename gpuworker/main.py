@@ -26,7 +26,7 @@ import zmq
 from mlx_lm.utils import load_tokenizer
 
 from gpuworker.channel import Channel, ParentGone
-from gpuworker.lanes import resolve_lanes
+from gpuworker.lanes import jit_compiler_bytes, resolve_lanes
 from gpuworker.lease_client import LeaseClient
 from gpuworker.model import check_against_store, load_streamed_model
 from gpuworker.serve import JobServer
@@ -111,7 +111,13 @@ def _announce_ready(channel: Channel, server: JobServer, welcome: GpuWelcome) ->
     """`gpu_ready`: from here on the coordinator sends jobs (so never after a stop request)."""
     info, wrap_path = server.info, server.client.wrap_path
     channel.send(
-        GpuReady(pid=os.getpid(), dense_bytes=info.dense_bytes, sparse_layers=info.sparse_layers, wrap_path=wrap_path)
+        GpuReady(
+            pid=os.getpid(),
+            dense_bytes=info.dense_bytes,
+            sparse_layers=info.sparse_layers,
+            wrap_path=wrap_path,
+            compiler_bytes=jit_compiler_bytes(),
+        )
     )
     logger.info(
         "ready: %s, %d dense bytes, sparse layers %s, slab %s (%d slots, %d working)",

@@ -1,6 +1,7 @@
 """One started system (`supervisor.system.start_system`) and the jobs the bench runs against it.
 
-`System` sizes the memory budget for `slots_per_layer` resident slots, starts the processes,
+`System` sizes the memory budget for `slots_per_layer` resident slots (plus room for the
+processes themselves, which the budget covers), starts the processes,
 runs generation jobs through the client and keeps each job's figures (tokens, tok/s, hits,
 the GPU worker's lease telemetry); `summary` gives the medians of the measured jobs. The only
 module of the instruments that starts a system.
@@ -17,7 +18,7 @@ from instruments.machine import cpu_ms_per_token, process_cpu_s, process_rss
 from shared.client import Client
 from shared.job_messages import TokenEvent
 from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
-from supervisor.budget import DEFAULT_KV_RESERVE_BYTES
+from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, PROCESS_ALLOWANCE_BYTES
 from supervisor.system import start_system
 
 
@@ -42,7 +43,8 @@ class System:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
         kv = DEFAULT_KV_RESERVE_BYTES
-        budget = store.dense_bytes + kv + (working + len(store.sparse_layers) * slots_per_layer) * store.slot_bytes
+        slots = working + len(store.sparse_layers) * slots_per_layer
+        budget = store.dense_bytes + kv + slots * store.slot_bytes + PROCESS_ALLOWANCE_BYTES
         started = time.perf_counter()
         self.system = start_system(
             model_dir=store.model_dir,

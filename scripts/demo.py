@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from a clone without the editable install
     sys.path.insert(0, str(ROOT))
 
+from instruments.memory_watch import FootprintWatch  # noqa: E402
 from shared.cli_send import format_stats  # noqa: E402
 from shared.client import Client, JobFailedError  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
@@ -114,14 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     supervisor = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         ready = read_ready_line(supervisor, timeout=READY_TIMEOUT_S)
-        plan = ready.get("plan", {})
+        plan, memory = ready["plan"], ready["memory"]
         print(
-            f"ready at {ready['endpoint']}: {plan.get('total_slots')} slots of "
-            f"{plan.get('slot_bytes')} bytes ({plan.get('slots_per_layer')} resident per layer, "
-            f"{plan.get('working_slots')} working)",
+            f"ready at {ready['endpoint']}: the processes use {memory['baseline_bytes'] / 2**20:.0f} MiB of the "
+            f"{memory['budget_bytes'] / 2**20:.0f} MiB budget, the KV reserve {memory['kv_reserve_bytes'] / 2**20:.0f}"
+            f" MiB, room for the kernel compiler {memory['compiler_bytes'] / 2**20:.0f} MiB, the slab"
+            f" {plan['total_slots']} slots of {plan['slot_bytes']} bytes "
+            f"({plan['slots_per_layer']} resident per layer, {plan['working_slots']} working)",
             flush=True,
         )
-        with Client(ready["endpoint"], timeout=120.0) as client:
+        # The whole system's memory, measured from outside every 50 ms: every process's PSS, the slab once.
+        watch = FootprintWatch(supervisor.pid, f"/dev/shm/{ready['slab'].lstrip('/')}")
+        with watch, Client(ready["endpoint"], timeout=120.0) as client:
             stream = client.generate(args.prompt, max_tokens=args.max_tokens)
             sys.stdout.write(args.prompt)
             for event in stream:
@@ -133,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"(random weights: the text is noise; token ids {list(done.tokens[:8])}...)")
         print(format_stats(done))
+        verdict = "within" if watch.peak <= memory["budget_bytes"] else "OVER"
+        print(f"whole system, sampled every 50 ms: {watch.describe()}; {verdict} the budget")
+        if watch.peak > memory["budget_bytes"]:
+            raise RuntimeError(f"the system used {watch.peak} bytes, over its budget {memory['budget_bytes']}")
     except (JobFailedError, RuntimeError, TimeoutError) as error:
         print(f"demo: {error}", file=sys.stderr)
         return 1

@@ -3,6 +3,8 @@
     moeslab-send --endpoint ipc://RUN_DIR/jobs --prompt "Hello" [--max-tokens 32]
         [--temperature 0.7 --top-p 0.9 --seed 1] [--json] [--timeout 60]
     moeslab-send --endpoint tcp://127.0.0.1:5555 --prompt-tokens 72,101,108 --json
+    moeslab-send --endpoint tcp://HOST:5555 --server-key RUN_DIR/curve/server.key --prompt "Hello"
+    moeslab-send --endpoint ipc://RUN_DIR/jobs --health [--json]   # who serves: pids, restarts
 
 Without --json the text is written to stdout as it arrives, then one stats
 line goes to stderr (so redirected output holds the text alone). With --json
@@ -10,8 +12,9 @@ stdout gets one JSON object: {"id", "tokens", "text", "finish_reason",
 "stats"} (stats = the job's JobStats fields).
 
 Exit status: 0 done; 1 the job failed, the coordinator was busy or did not
-answer in time; 2 usage error (bad arguments, a request the protocol
-refuses); 130 interrupted (the job is cancelled).
+answer in time, or nobody serves the ipc endpoint (said at once); 2 usage
+error (bad arguments, a request the protocol refuses); 130 interrupted (the
+job is cancelled).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from shared.client import DEFAULT_TIMEOUT, Client, ClientError, JobFailedError, JobStream, ServerBusy
-from shared.job_messages import Done, JobStats, TokenEvent
+from shared.curve import read_server_key
+from shared.job_messages import Done, HealthReply, JobStats, TokenEvent
 
-__all__ = ["format_stats", "main", "parse_token_list"]
+__all__ = ["format_health", "format_stats", "main", "parse_token_list"]
 
 ENDPOINT_ENV = "MOESLAB_ENDPOINT"
 _PROG = "moeslab-send"
@@ -97,7 +101,8 @@ def format_stats(done: Done) -> str:
         parts.append("prefetch paused (auto: decode steps were faster without it)")
     parts += [
         f"footprint {_mib(stats.footprint_bytes)} (peak {_mib(stats.peak_footprint_bytes)})"
-        f" / budget {_mib(stats.budget_bytes)}",
+        f" / budget {_mib(stats.budget_bytes)}: processes {_mib(stats.processes_bytes)}"
+        f" + slab {_mib(stats.slab_bytes)}",
     ]
     return " | ".join(parts)
 
@@ -115,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized by the coordinator)")
     prompt.add_argument("--prompt-tokens", type=parse_token_list, metavar="1,2,3", help="prompt as token ids")
+    prompt.add_argument(
+        "--health", action="store_true", help="ask who serves (pids, restarts) and whether it is ready; send no job"
+    )
+    parser.add_argument(
+        "--server-key",
+        metavar="KEY_OR_FILE",
+        help="the server's CURVE public key (the ready line's curve_public_key) or a file holding it "
+        "(RUN_DIR/curve/server.key); needed when the launcher ran with --curve",
+    )
     parser.add_argument("--max-tokens", type=_count(1), default=64)
     parser.add_argument("--temperature", type=_finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=_finite_float, default=1.0)
@@ -195,17 +209,48 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
+def format_health(reply: HealthReply) -> str:
+    """`ready` plus one line per process: role, pid, restarts, memory (PSS less its slab share)."""
+    state = "ready" if reply.ready else "not ready"
+    lines = [f"{state}: {reply.io_workers} I/O workers, GPU worker {'up' if reply.gpu_worker else 'down'}"]
+    lines += [
+        f"{p.name:<14} pid {p.pid:<8} restarts {p.restarts}" + (f"  {_mib(p.memory_bytes)}" if p.memory_bytes else "")
+        for p in reply.processes
+    ]
+    if reply.baseline_bytes:
+        sized = f"{reply.slots_per_layer} slots per layer"
+        compiler = f" and {_mib(reply.compiler_bytes)} kept for the kernel compiler" if reply.compiler_bytes else ""
+        lines.append(f"slab sized after {_mib(reply.baseline_bytes)} of processes{compiler}: {sized}")
+    return "\n".join(lines)
+
+
+def _health(client: Client, *, as_json: bool) -> int:
+    try:
+        reply = client.health()
+    except (ClientError, TimeoutError) as error:
+        print(f"{_PROG}: {_describe(error)}", file=sys.stderr)
+        return 1
+    print(json.dumps(dataclasses.asdict(reply)) if as_json else format_health(reply), flush=True)
+    return 0 if reply.ready else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parsed = _parse(argv)
     if isinstance(parsed, int):
         return parsed
     args = parsed
     try:
-        client = Client(args.endpoint, timeout=args.timeout)
-    except ValueError as error:
+        server_key = None if args.server_key is None else read_server_key(args.server_key)
+        client = Client(args.endpoint, timeout=args.timeout, server_key=server_key)
+    except ValueError as error:  # a bad endpoint or server key
         print(f"{_PROG}: error: {error}", file=sys.stderr)
         return 2
+    except ClientError as error:  # no server at an ipc endpoint
+        print(f"{_PROG}: {error}", file=sys.stderr)
+        return 1
     with client:
+        if args.health:
+            return _health(client, as_json=args.json)
         try:
             stream = client.generate(
                 args.prompt,

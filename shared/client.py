@@ -11,7 +11,12 @@ Events are the contract's frozen dataclasses: one `TokenEvent` per token and
 finally the `Done`. A failed job raises `JobFailedError` (its `code` is the
 coordinator's, e.g. "cancelled", "worker_failed"); a full queue raises
 `ServerBusy`; no reply within `timeout` seconds (per reply, not per job)
-raises `ClientTimeout`, a `TimeoutError` naming the endpoint.
+raises `ClientTimeout`, a `TimeoutError` naming the endpoint. A front door that
+is a CURVE server (`moeslab-launch --curve`) needs `server_key`, its public key
+(the ready line's `curve_public_key`); without it, or with a wrong one, the
+handshake never completes and every request times out. An `ipc://` endpoint
+nobody serves (no socket file, nothing listening) raises `ClientError("no
+server at ...")` when the Client is made, not a timeout later.
 
 Concurrency: every request carries an id and every reply is routed by it, so
 several jobs may be in flight on one Client, iterated in any interleaving and
@@ -37,6 +42,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from shared.curve import client_curve
 from shared.job_messages import (
     CANCELLED,
     CLIENT_ACCEPTS,
@@ -54,7 +60,7 @@ from shared.job_messages import (
     TokenEvent,
 )
 from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
-from shared.sockets import open_socket
+from shared.sockets import ipc_server_absent, open_socket
 
 __all__ = [
     "BUSY",
@@ -203,13 +209,21 @@ class JobStream:
 
 
 class Client:
-    """A DEALER connection to the coordinator's job front door (a context manager)."""
+    """A DEALER connection to the coordinator's job front door (a context manager).
 
-    def __init__(self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    `server_key`: the front door's CURVE public key (40 z85 characters) when it is a CURVE server."""
+
+    def __init__(
+        self, endpoint: str, *, timeout: float = DEFAULT_TIMEOUT, server_key: str | bytes | None = None
+    ) -> None:
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        curve = client_curve(server_key)  # CurveError (a ValueError) names a bad key
         self.endpoint = endpoint
         self.timeout = float(timeout)
+        # A CURVE server never answers a plain client: say so where the silence is reported.
+        tcp_plain = curve is None and endpoint.startswith("tcp://")
+        self._hint = " (a CURVE server answers only a client given its server key)" if tcp_plain else ""
         self._lock = threading.Lock()
         self._inbox: dict[str, deque[Any]] = {}
         self._streams: set[str] = set()
@@ -217,10 +231,13 @@ class Client:
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(4)  # ids stay distinct across clients in logs
         self._closed = False
+        absent = ipc_server_absent(endpoint)  # ZeroMQ would wait for it forever: say so now
+        if absent is not None:
+            raise ClientError(f"no server at {endpoint} ({absent})")
         # An own context, so closing this client never touches anyone else's sockets.
         self._context = zmq.Context()
         try:
-            self._sock = open_socket(self._context, zmq.DEALER, connect=endpoint, unbounded=False)
+            self._sock = open_socket(self._context, zmq.DEALER, connect=endpoint, unbounded=False, curve=curve)
         except zmq.ZMQError as error:
             self._context.term()
             raise ValueError(f"cannot connect to {endpoint!r}: {error}") from None
@@ -359,7 +376,9 @@ class Client:
                         return reply
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ClientTimeout(f"no reply from {self.endpoint} within {timeout:g} s (waiting for {what})")
+                    raise ClientTimeout(
+                        f"no reply from {self.endpoint} within {timeout:g} s (waiting for {what}){self._hint}"
+                    )
                 # Bounded slices: the lock is released between them for other threads.
                 if self._sock.poll(max(1, math.ceil(min(remaining, _POLL_SLICE_S) * 1000)), zmq.POLLIN):
                     self._route(self._sock.recv_multipart(zmq.NOBLOCK))

@@ -68,7 +68,7 @@ def parse_replacement(spec: object) -> tuple[str, int | None]:
 
 
 # Durations that must be positive (io_replacement_grace_s may be 0: lost loads fail at once).
-POSITIVE_FLOATS = ("start_timeout_s", "footprint_interval_ms", "usage_flush_s")
+POSITIVE_FLOATS = ("start_timeout_s", "footprint_interval_ms", "usage_flush_s", "hang_timeout_s")
 
 
 class ConfigError(ValueError):
@@ -121,10 +121,23 @@ class RunConfig:
     # The GPU worker's --compute-lanes (MLX streams for a decode wave's parts); None: its auto choice.
     compute_lanes: int | None = None
     test_io_read_delay_ms: float | None = None  # TEST KNOB: every I/O worker holds each load this long
+    # A worker that owes work and shows no progress for this long (plus what the work owed needs:
+    # coordinator/liveness.py) is hung: killed and handled as a dead one.
+    hang_timeout_s: float = 10.0
+    # The supervisor's pid when `moeslab-launch` started the system: its memory counts in the budget
+    # (coordinator/footprint.py). 0 when a program embeds the system (tests, benchmarks).
+    supervisor_pid: int = 0
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy (parse_replacement)
+    # The job front door's limits (coordinator/job_limits.py); None: the model's context, or for
+    # the per-client share half the queue.
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_queued_per_client: int | None = None
+    # The directory of the jobs ROUTER's CURVE key pair (shared.curve; RUN_DIR/curve); None: no CURVE.
+    curve_keys: str | None = None
 
 
 def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
@@ -138,8 +151,23 @@ def run_endpoints(run_dir: str | os.PathLike[str]) -> Endpoints:
     return Endpoints(io=f"ipc://{root}/io", gpu=f"ipc://{root}/gpu", jobs=f"ipc://{root}/jobs")
 
 
-def check_jobs_endpoint(endpoint: str) -> str:
-    """An `ipc://ABSOLUTE_PATH` or loopback `tcp://127.x.x.x:PORT` endpoint; ValueError otherwise."""
+def endpoint_exposed(endpoint: str) -> bool:
+    """True for a tcp endpoint other machines may reach: any host but loopback (127.0.0.0/8,
+    [::1], localhost), so a wildcard (`*`, 0.0.0.0), an interface name or a host name too."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0]
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return True
+
+
+def check_jobs_endpoint(endpoint: str, *, curve: bool = False) -> str:
+    """An `ipc://ABSOLUTE_PATH` or `tcp://HOST:PORT` endpoint; ValueError otherwise. A tcp host other
+    machines can reach (`endpoint_exposed`) needs `curve` (the front door a CURVE server)."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
         if not os.path.isabs(path) or len(path.encode()) > MAX_IPC_PATH:
@@ -147,17 +175,19 @@ def check_jobs_endpoint(endpoint: str) -> str:
         return endpoint
     if endpoint.startswith("tcp://"):
         host, _, port = endpoint[len("tcp://") :].rpartition(":")
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback and ipaddress.ip_address(host).version == 4
-        except ValueError:
-            loopback = False
-        if not loopback:
-            # Jobs carry no authentication: only this machine may reach the front door.
-            raise ValueError(f"endpoint {endpoint!r} refused: only loopback tcp (tcp://127.0.0.1:PORT) is allowed")
+        if not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+            raise ValueError(f"endpoint {endpoint!r} needs tcp://HOST:PORT (an IPv6 address in brackets)")
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"endpoint {endpoint!r} needs a port between 1 and 65535")
+        if endpoint_exposed(endpoint) and not curve:
+            # Plain jobs carry no authentication: without CURVE only this machine may reach the front door.
+            raise ValueError(
+                f"endpoint {endpoint!r} refused: other machines can reach it, and without CURVE only loopback "
+                "tcp (tcp://127.0.0.1:PORT) is allowed; pass --curve (or --curve-keys DIR) to require "
+                "the server's CURVE key"
+            )
         return endpoint
-    raise ValueError(f"endpoint {endpoint!r} must be ipc://PATH or tcp://127.0.0.1:PORT")
+    raise ValueError(f"endpoint {endpoint!r} must be ipc://PATH or tcp://HOST:PORT")
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
@@ -241,6 +271,9 @@ def check_config(config: RunConfig) -> RunConfig:
             raise ConfigError(f"{name} must be a positive number, got {getattr(config, name)!r}")
     if config.queue_limit < 1:
         raise ConfigError(f"queue_limit must be >= 1, got {config.queue_limit}")
+    for name in ("max_prompt_tokens", "max_tokens", "max_queued_per_client"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
     if config.io_staging not in STAGING_MODES:
         raise ConfigError(f"io_staging must be one of {STAGING_MODES}, got {config.io_staging!r}")
     if config.prefetch_margin is not None and not 0 <= config.prefetch_margin <= 64:
@@ -264,6 +297,12 @@ def check_config(config: RunConfig) -> RunConfig:
     for name in ("io", "gpu", "jobs"):
         if not getattr(config.endpoints, name):
             raise ConfigError(f"endpoints.{name} is empty")
+    if config.curve_keys is not None and not os.path.isabs(config.curve_keys):
+        raise ConfigError(f"curve_keys must be an absolute path, got {config.curve_keys!r}")
+    if config.curve_keys is None and endpoint_exposed(config.endpoints.jobs):
+        raise ConfigError(
+            f"endpoints.jobs {config.endpoints.jobs!r} is reachable from other machines and needs curve_keys"
+        )
     return config
 
 
@@ -301,6 +340,7 @@ __all__ = [
     "check_jobs_endpoint",
     "config_from_dict",
     "config_to_dict",
+    "endpoint_exposed",
     "parse_replacement",
     "read_config",
     "run_endpoints",

@@ -5,10 +5,14 @@ Built with mlx-lm's own model classes and saved with `mlx_lm.utils.save_model`
 the oracle for ours. fp32 on purpose: MLX's CPU kernels run bf16 several times
 slower, and the demo must finish quickly on two cores.
 
-Sizing (the default config): 8 sparse layers x 64 experts x (3 x 512 x 256)
-fp32 = 768 MiB of routed experts, exactly 4x `DEMO_MEMORY_BUDGET` (192 MiB);
-the ~25 MiB dense part plus the slab's mandatory slots (a top-k working bank
-and one slot per sparse layer, ~18 MiB) leave most of the budget for residency.
+Sizing (the default config): 8 sparse layers x 192 experts x (3 x 512 x 256)
+fp32 = 2304 MiB of routed experts, exactly 4x `DEMO_MEMORY_BUDGET` (576 MiB).
+The budget covers the whole system (coordinator/footprint.py): the processes
+take ~250 MiB of it (Python and its libraries in five processes, MLX and the
+~27 MiB dense part in the GPU worker), the KV reserve 64 MiB, room for MLX's
+kernel compiler 128 MiB on the CPU backend (gpuworker/lanes.py), and the slab
+the rest (~130 MiB: the top-k working bank, one slot per sparse layer, and
+resident experts).
 
 The byte-level tokenizer (one token per byte, then a few special tokens) is
 built offline with `tokenizers`; `tests/helpers/models.py` shares it and
@@ -60,7 +64,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 EOS_TOKEN_ID = 256  # bytes take ids 0..255, the special tokens follow
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
-DEMO_MEMORY_BUDGET = 192 * MiB
+DEMO_MEMORY_BUDGET = 576 * MiB
 """The `--memory-budget` the demo runs with: a quarter of the demo model's routed experts."""
 
 FINGERPRINT_FILE = "moeslab-demo.json"
@@ -78,7 +82,7 @@ DEMO_CONFIG: dict[str, Any] = {
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
     "head_dim": 64,
-    "num_experts": 64,
+    "num_experts": 192,
     "num_experts_per_tok": 4,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],

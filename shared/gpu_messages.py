@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared.protocol import BAD_FIELD, ErrorReply, ProtocolError, make_registry, register_codec, wire
+from shared.protocol import BAD_FIELD, ErrorReply, ProtocolError, make_registry, register_codec, shown, wire
 
 MAX_ROUTE_ROWS = 1 << 16  # a prefill chunk's rows
 MAX_TOP_K = 64
@@ -62,7 +62,7 @@ def _decode_routes(value: Any, where: str) -> RouteMatrix:
     rows, top_k, raw = value
     for name, number, limit in (("rows", rows, MAX_ROUTE_ROWS), ("top_k", top_k, MAX_TOP_K)):
         if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= limit:
-            raise ProtocolError(BAD_FIELD, f"{where} {name} must be an integer in 1..{limit}, got {number!r}")
+            raise ProtocolError(BAD_FIELD, f"{where} {name} must be an integer in 1..{limit}, got {shown(number)}")
     if not isinstance(raw, bytes) or len(raw) != rows * top_k * 4:
         size = len(raw) if isinstance(raw, bytes) else type(raw).__name__
         raise ProtocolError(BAD_FIELD, f"{where} must carry {rows * top_k * 4} bytes of int32, got {size}")
@@ -113,6 +113,7 @@ class GpuReady:
     dense_bytes: int
     sparse_layers: tuple[int, ...] = wire(max_items=4096)
     wrap_path: str = "copy"  # "zero_copy" where Metal wraps slots without copying
+    compiler_bytes: int = 0  # room for the kernel compiler MLX's CPU backend runs as a child process
 
 
 # ------------------------------------------------------- lease protocol
@@ -190,6 +191,11 @@ class Job:
     seed: int | None = None
     return_logprobs: bool = False
     predict: bool = True  # decode steps predict the next layer's experts (False while auto paused prefetch)
+    # The front door's limits on what only the GPU worker can count (a text prompt's tokens):
+    # a prompt over `max_prompt_tokens` is refused, and with `fit_context` so is a prompt whose
+    # tokens plus max_tokens exceed the model's context (coordinator/job_limits.py).
+    max_prompt_tokens: int | None = None
+    fit_context: bool = False
 
 
 @dataclass(frozen=True, slots=True)

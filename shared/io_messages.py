@@ -23,6 +23,7 @@ from shared.protocol import (
     ProtocolError,
     make_registry,
     register_codec,
+    shown,
     wire,
 )
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment
@@ -36,7 +37,7 @@ def _ints(value: Any, where: str, count: int, names: str) -> list[int]:
         or len(value) != count
         or any(isinstance(item, bool) or not isinstance(item, int) for item in value)
     ):
-        raise ProtocolError(BAD_FIELD, f"{where} must be [{names}] integers, got {value!r}")
+        raise ProtocolError(BAD_FIELD, f"{where} must be [{names}] integers, got {shown(value)}")
     return list(value)
 
 

@@ -27,7 +27,11 @@ MAX_ID_CHARS = 128
 CANCELLED = "cancelled"
 UNKNOWN_JOB = "unknown_job"
 PROMPT_TOO_LONG = "prompt_too_long"
+MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"  # over --max-tokens or the model's context
+CONTEXT_EXCEEDED = "context_exceeded"  # the prompt's tokens plus max_tokens exceed the model's context
+CLIENT_QUEUE_FULL = "client_queue_full"  # this client holds its share of the queue (--max-queued-per-client)
 WORKER_FAILED = "worker_failed"
+WORKER_HUNG = "worker_hung"  # the GPU worker owed the job progress and showed none in time (killed, replaced)
 PRESSURE = "memory_pressure"
 SHUTTING_DOWN = "shutting_down"
 DUPLICATE_ID = "duplicate_id"  # a generate whose id this client already has queued or running
@@ -103,11 +107,13 @@ class JobStats:
     hints_skipped_resident: int = 0
     wrap_path: str = "copy"
     bytes_copied: int = 0
-    footprint_bytes: int = 0  # dense + slab resident + process growth since start (coordinator/footprint.py)
+    footprint_bytes: int = 0  # every process's PSS, the slab once: processes + slab (coordinator/footprint.py)
     peak_footprint_bytes: int = 0  # the largest footprint sampled during the job (at safe points)
     budget_bytes: int = 0
     io_fallback_ops: int = 0  # reads served buffered because O_DIRECT was refused
-    overhead_bytes: int = 0  # the processes' own memory at start, not counted in footprint_bytes
+    baseline_bytes: int = 0  # the processes' memory when the slab was sized (the plan subtracted it)
+    processes_bytes: int = 0  # the processes' memory now (their PSS less the slab's share), in footprint_bytes
+    slab_bytes: int = 0  # the slab's resident pages now, in footprint_bytes
     # Next-layer prefetch (coordinator/prefetch.py): reads of predicted experts, apart from bytes_read.
     prefetch_predicted: int = 0  # experts the GPU worker predicted
     prefetch_issued: int = 0  # ... not resident, so read
@@ -163,6 +169,17 @@ class Busy:
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """One process serving now: its role (`supervisor`, `coordinator`, `gpu_worker`, `io_worker_0`, ...),
+    its pid, and how many times the supervisor has restarted that role."""
+
+    name: str = wire(max_len=64)
+    pid: int = wire(maximum=(1 << 31) - 1)
+    restarts: int = 0
+    memory_bytes: int = 0  # its PSS less the slab's share at the coordinator's last sample (0: not measured)
+
+
+@dataclass(frozen=True, slots=True)
 class StatsReply:
     OP: ClassVar[str] = "stats_reply"
     id: str
@@ -171,6 +188,7 @@ class StatsReply:
     queued: int = 0
     running: str | None = None
     stats: JobStats = field(default_factory=JobStats)
+    processes: tuple[ProcessInfo, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +200,10 @@ class HealthReply:
     io_workers: int = 0
     gpu_worker: bool = False
     accepting: bool = True
+    processes: tuple[ProcessInfo, ...] = ()  # the supervisor's record of who serves now (shared/process_table.py)
+    baseline_bytes: int = 0  # the processes' memory the slab was sized after (0: not sized yet)
+    compiler_bytes: int = 0  # the room kept for the GPU worker's kernel compiler when it was sized
+    slots_per_layer: int = 0  # resident slots per sparse layer once sized (coordinator/footprint.py)
 
 
 COORDINATOR_ACCEPTS_FROM_CLIENTS = make_registry(Generate, CancelJob, StatsRequest, HealthRequest)

@@ -87,4 +87,39 @@ def plan_expert_residency(
     )
 
 
-__all__ = ["DEFAULT_EXPERT_WORKING_SLOTS", "ExpertResidencyPlan", "plan_expert_residency"]
+def plan_after_baseline(
+    plan: ExpertResidencyPlan,
+    *,
+    baseline_bytes: int,
+    kv_reserve_bytes: int,
+    compiler_bytes: int = 0,
+    parts: str = "",
+) -> ExpertResidencyPlan:
+    """`plan` once the started processes' memory is known: the slab gets what the budget leaves
+    after the processes (`baseline_bytes`, dense weights included), the KV reserve and the room
+    kept for a kernel compiler process (`compiler_bytes`), never more slots per layer than `plan`
+    had; ValueError naming every part when the startup floor does not fit."""
+    try:
+        return plan_expert_residency(
+            budget_bytes=plan.budget_bytes,
+            fixed_bytes=baseline_bytes + kv_reserve_bytes + compiler_bytes,
+            slot_bytes=plan.slot_bytes,
+            sparse_layers=plan.sparse_layers,
+            working_slots=plan.working_slots,
+            pinned_experts=plan.pinned_slots,
+            max_slots_per_layer=plan.slots_per_layer,
+        )
+    except ValueError:
+        floor = (plan.working_slots + plan.pinned_slots + plan.sparse_layers) * plan.slot_bytes
+        needed = baseline_bytes + kv_reserve_bytes + compiler_bytes + floor
+        compiler = f"the kernel compiler's {compiler_bytes} bytes + " if compiler_bytes else ""
+        raise ValueError(
+            f"memory budget {plan.budget_bytes} bytes cannot serve: the started processes use {baseline_bytes} "
+            f"bytes{f' ({parts})' if parts else ''} + the KV reserve {kv_reserve_bytes} bytes + {compiler}"
+            f"{plan.working_slots} working + {plan.pinned_slots} pinned + one slot for each of "
+            f"{plan.sparse_layers} sparse layers at {plan.slot_bytes} bytes: {needed} bytes "
+            f"(raise --memory-budget to at least {needed})"
+        ) from None
+
+
+__all__ = ["DEFAULT_EXPERT_WORKING_SLOTS", "ExpertResidencyPlan", "plan_after_baseline", "plan_expert_residency"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -37,11 +38,25 @@ BAD_FIELD = "bad_field"  # missing, unknown, wrongly typed or out-of-range field
 BAD_REQUEST = "bad_request"  # well-formed, but its values are refused by the receiver
 INTERNAL = "internal"
 
+# An error message quotes the peer's offending value, but never all of it: a value of megabytes
+# or thousands of levels deep would make a reply the peer cannot read (or a repr that recurses).
+MAX_ERROR_CHARS = 2000
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 80, 80, 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
+
+
+def shown(value: object) -> str:
+    """A bounded repr of a peer's value for an error message (long or deep values elided with ...)."""
+    return _SHOWN.repr(value)
+
 
 class ProtocolError(ValueError):
     """A frame or message a peer sent that this side refuses; `code` is one of the above."""
 
     def __init__(self, code: str, message: str) -> None:
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 15] + " ... (truncated)"
         super().__init__(message)
         self.code = code
         self.message = message
@@ -99,7 +114,7 @@ def make_registry(*classes: type) -> dict[str, type]:
 def check_int(value: object, where: str, *, minimum: int | None = 0, maximum: int | None = None) -> int:
     """An int (never a bool) within bounds, else ProtocolError naming it."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(BAD_FIELD, f"{where} must be an integer, got {value!r}")
+        raise ProtocolError(BAD_FIELD, f"{where} must be an integer, got {shown(value)}")
     if minimum is not None and value < minimum:
         raise ProtocolError(BAD_FIELD, f"{where} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -146,7 +161,7 @@ def _decoder(kind: Any, meta: Mapping[str, Any], where: str) -> _Decoder:
 
         def sequence(value: Any, at: str) -> tuple[Any, ...]:
             if not isinstance(value, (list, tuple)):
-                raise ProtocolError(BAD_FIELD, f"{at} must be an array, got {value!r}")
+                raise ProtocolError(BAD_FIELD, f"{at} must be an array, got {shown(value)}")
             if len(value) > limit:
                 raise ProtocolError(BAD_FIELD, f"{at} has {len(value)} items; at most {limit} are allowed")
             try:
@@ -164,7 +179,7 @@ def _decoder(kind: Any, meta: Mapping[str, Any], where: str) -> _Decoder:
         def boolean(value: Any, at: str) -> bool:
             if value is True or value is False:
                 return value
-            raise ProtocolError(BAD_FIELD, f"{at} must be a boolean, got {value!r}")
+            raise ProtocolError(BAD_FIELD, f"{at} must be a boolean, got {shown(value)}")
 
         return boolean
     if kind is int:
@@ -174,7 +189,7 @@ def _decoder(kind: Any, meta: Mapping[str, Any], where: str) -> _Decoder:
 
         def number(value: Any, at: str) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ProtocolError(BAD_FIELD, f"{at} must be a finite number, got {value!r}")
+                raise ProtocolError(BAD_FIELD, f"{at} must be a finite number, got {shown(value)}")
             return float(value)
 
         return number
@@ -184,7 +199,7 @@ def _decoder(kind: Any, meta: Mapping[str, Any], where: str) -> _Decoder:
 
         def text(value: Any, at: str) -> Any:
             if type(value) is not kind:
-                got = type(value).__name__ if binary else repr(value)
+                got = type(value).__name__ if binary else shown(value)
                 raise ProtocolError(BAD_FIELD, f"{at} must be {'binary' if binary else 'a string'}, got {got}")
             if len(value) > limit:
                 unit = "bytes" if binary else "characters"
@@ -196,7 +211,7 @@ def _decoder(kind: Any, meta: Mapping[str, Any], where: str) -> _Decoder:
 
         def nested(value: Any, at: str) -> Any:
             if not isinstance(value, dict):
-                raise ProtocolError(BAD_FIELD, f"{at} must be a map, got {value!r}")
+                raise ProtocolError(BAD_FIELD, f"{at} must be a map, got {shown(value)}")
             return _build(kind, value, at, skip=())
 
         return nested
@@ -267,7 +282,7 @@ def _build(cls: type[M], fields_map: Mapping[str, Any], where: str, *, skip: tup
     extra = fields_map.keys() - schema.names
     if extra and extra.difference(skip):
         unknown = sorted(str(key) for key in extra.difference(skip))
-        raise ProtocolError(BAD_FIELD, f"{where}: unknown field(s) {unknown}")
+        raise ProtocolError(BAD_FIELD, f"{where}: unknown field(s) {shown(unknown)}")
     values: dict[str, Any] = {}
     for (name, decoder, required), path in zip(schema.fields, paths):
         if name in fields_map:
@@ -298,7 +313,7 @@ def unpack_map(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(BAD_MESSAGE, f"message must be a map, got {type(obj).__name__}")
     op = obj.get("op")
     if not isinstance(op, str):
-        raise ProtocolError(BAD_MESSAGE, f"message must have a string 'op', got {op!r}")
+        raise ProtocolError(BAD_MESSAGE, f"message must have a string 'op', got {shown(op)}")
     return obj
 
 
@@ -308,7 +323,7 @@ def decode(frame: bytes, registry: Registry) -> Any:
     op = obj["op"]
     cls = registry.get(op)
     if cls is None:
-        raise ProtocolError(UNKNOWN_OP, f"unknown op {op!r}; expected one of {sorted(registry)}")
+        raise ProtocolError(UNKNOWN_OP, f"unknown op {shown(op)}; expected one of {sorted(registry)}")
     return _build(cls, obj, op, skip=("op",))
 
 
@@ -323,6 +338,7 @@ __all__ = [
     "BAD_MESSAGE",
     "BAD_REQUEST",
     "INTERNAL",
+    "MAX_ERROR_CHARS",
     "MAX_MESSAGE_BYTES",
     "UNKNOWN_OP",
     "ErrorReply",
@@ -335,6 +351,7 @@ __all__ = [
     "error_frame",
     "make_registry",
     "register_codec",
+    "shown",
     "to_map",
     "unpack_map",
     "wire",

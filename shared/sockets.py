@@ -6,17 +6,20 @@ bounded `MAXMSGSIZE` (a frame over it is not refused but drops the peer's
 connection, so each socket's bound is its largest legal frame), unbounded
 high-water marks between the system's own processes (nothing may be dropped
 silently; backpressure is the protocol's job), ROUTER_MANDATORY on routers
-(a reply to a gone peer fails loudly instead of vanishing), and an ipc
-socket file readable by its owner only.
+(a reply to a gone peer fails loudly instead of vanishing), an ipc
+socket file readable by its owner only, and CURVE where it is asked for
+(`shared.curve`: the job front door on an exposed tcp endpoint and its clients).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import TypeVar
 
 import zmq
 
+from shared.curve import WIRE_OVERHEAD_BYTES, CurveKeys
 from shared.protocol import MAX_MESSAGE_BYTES
 
 S = TypeVar("S", bound=zmq.Socket)
@@ -29,6 +32,27 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :]
 
 
+def ipc_server_absent(endpoint: str) -> str | None:
+    """Why nobody can be serving an `ipc://` endpoint (no socket file, nothing listening), else None.
+
+    A connecting ZeroMQ socket waits for such a server without end. Tcp and cases it cannot tell
+    (a full accept backlog, a long path) give None."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)  # a full accept backlog is a busy server, not a missing one
+        try:
+            probe.connect(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return f"no socket file {path}"
+        except ConnectionRefusedError:  # a file its server left behind, or not a socket
+            return f"nothing listens on {path}"
+        except OSError:
+            return None
+    return None
+
+
 def open_socket(
     context: zmq.Context,
     kind: int,
@@ -38,16 +62,19 @@ def open_socket(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     unbounded: bool = True,
     routing_id: str | None = None,
+    curve: CurveKeys | None = None,
 ) -> zmq.Socket:
     """A socket of `kind` (zmq.ROUTER, zmq.DEALER, ...) with the system's options, bound or connected.
 
     `unbounded`: high-water marks 0 (the system's own links); False keeps ZeroMQ's defaults
     (a client's link to the front door). A bound ipc endpoint's socket file is made 0600.
+    `curve`: a CURVE server (its secret key given) or a client of that server (an ephemeral key pair).
     On any failure the socket is closed before the error propagates."""
     sock = context.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # libzmq bounds the frame as it travels: under CURVE, encrypted and a little larger.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (WIRE_OVERHEAD_BYTES if curve else 0))
         if unbounded:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
@@ -56,6 +83,10 @@ def open_socket(
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if routing_id is not None:
             sock.setsockopt(zmq.ROUTING_ID, routing_id.encode())
+        if curve is not None:
+            _set_curve(sock, curve)
+        if any(_ipv6(endpoint) for endpoint in (bind, connect)):
+            sock.setsockopt(zmq.IPV6, 1)  # libzmq refuses an IPv6 address (tcp://[::1]:PORT) without it
         if bind is not None:
             sock.bind(bind)
             path = ipc_path(bound_endpoint(sock))  # the resolved name (an `ipc://*` bind picks one)
@@ -67,6 +98,22 @@ def open_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def _set_curve(sock: zmq.Socket, curve: CurveKeys) -> None:
+    if curve.server_secret is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.server_public)
+        return
+    public, secret = zmq.curve_keypair()  # a client is known by the server key, not by its own
+    sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+def _ipv6(endpoint: str | None) -> bool:
+    return endpoint is not None and endpoint.startswith("tcp://[")
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:

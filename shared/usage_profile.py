@@ -10,6 +10,11 @@ shared Hugging Face cache). The fingerprint names the checkpoint by its
 config.json, its files' names and sizes and a sample of their bytes, so a
 moved copy keeps its history and a different checkpoint (a fine-tune of the
 same shapes too) never inherits another's.
+
+A writer killed at any instant leaves the complete old or the complete new
+profile (`write_profile`: temp file, fsync, rename); the temp file it may
+leave is removed by the next ledger that opens the profile
+(`remove_stale_temp_files`; tests/test_ledger_crash.py kills flushes 200 times).
 """
 
 from __future__ import annotations
@@ -158,6 +163,48 @@ def write_profile(path: str, rows: Iterable[tuple[int, int, int]]) -> int:
     return len(payload)
 
 
+def _writer_alive(pid: int) -> bool:
+    """True unless no process `pid` exists (0 and below name no writer; os.kill would mean groups)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_temp_files(path: str) -> list[str]:
+    """Remove what writers of `path` killed mid-flush left behind (`PATH.tmp-PID-...`); the paths removed.
+
+    Such a temp file is never renamed into place, so without this each kill would leave one for
+    good. Only temps whose writer pid is gone are removed: a live process (another run flushing
+    the same profile right now) keeps its own."""
+    directory, name = os.path.split(os.path.abspath(path))
+    prefix = f"{name}.tmp-"
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        pid = entry[len(prefix) :].split("-", 1)[0] if entry.startswith(prefix) else ""
+        if not pid.isdigit() or _writer_alive(int(pid)):
+            continue
+        temp = os.path.join(directory, entry)
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            continue  # another reader removed it first
+        except OSError as error:
+            logger.warning("cannot remove the stale usage profile temp file %s: %s", temp, error)
+            continue
+        removed.append(temp)
+    return removed
+
+
 def read_profile(path: str, counts: dict[int, np.ndarray], *, on_warning: Callable[[str], None] | None = None) -> None:
     """Add the profile at `path` to `counts`; a missing one adds nothing, silently.
 
@@ -239,5 +286,6 @@ __all__ = [
     "nonzero_rows",
     "rank_counts",
     "read_profile",
+    "remove_stale_temp_files",
     "write_profile",
 ]

@@ -20,6 +20,10 @@ from shared.usage_profile import UsageProfile
 logger = logging.getLogger("moeslab.launch")
 
 DEFAULT_KV_RESERVE_BYTES = 256 * 2**20
+# Room for the processes themselves (Python, libraries, MLX, staging buffers; ~150-250 MiB measured on
+# the test and demo models) in budgets that tools derive from a slot count: the budget covers the
+# whole system, so a budget of dense + KV + slots alone is refused once the processes are measured.
+PROCESS_ALLOWANCE_BYTES = 512 * 2**20
 
 _UNITS = {
     "": 1,

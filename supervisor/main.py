@@ -24,13 +24,16 @@ from dataclasses import asdict, replace
 import zmq
 
 from shared.children import CHILD_LOGGER
+from shared.plan import plan_after_baseline
 from shared.process import ProcessLife
+from shared.process_table import role_key
 from shared.store import ExpertStore
 from shared.usage_profile import default_usage_file
-from supervisor.budget import BudgetError, auto_pins
-from supervisor.options import SupervisorOptions, parse_args
-from supervisor.readiness import LaunchCancelled, LaunchError
-from supervisor.rundir import RunDirInUse, claim_run_dir, clean_stale_runs
+from supervisor.budget import auto_pins
+from supervisor.options import SupervisorOptions, job_limits, parse_args
+from supervisor.readiness import LaunchCancelled
+from supervisor.refusals import REFUSALS, StartupLogHandler, check_endpoint_free, refuse, release_startup_lines
+from supervisor.rundir import claim_run_dir, clean_stale_runs
 from supervisor.system import RunningSystem, start_system
 from supervisor.watch import EXIT_FAILED, EXIT_OK, Watcher
 
@@ -49,21 +52,35 @@ class _Formatter(logging.Formatter):
 
 
 def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    # Startup's INFO lines wait until something started, so a refusal is the only line.
+    handler = StartupLogHandler(hold=level != "DEBUG")
     handler.setFormatter(_Formatter("%(asctime)s supervisor[%(process)d] %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
 
 
-def _pid_key(name: str) -> str:
-    return name.lower().replace("i/o worker ", "io_worker_").replace(" ", "_")
-
-
 def ready_line(system: RunningSystem) -> str:
     """The one line of stdout: where to connect, what runs, what was planned."""
-    pids = {"supervisor": os.getpid(), **{_pid_key(name): pid for name, pid in system.pids.items()}}
+    pids = {"supervisor": os.getpid(), **{role_key(name): pid for name, pid in system.pids.items()}}
     assert system.config is not None
+    # The coordinator sized the slab after measuring every process: the plan in use is that one.
+    health = system.health()
+    kv_reserve = system.config.kv_reserve_bytes
+    plan = plan_after_baseline(
+        system.plan,
+        baseline_bytes=health.baseline_bytes,
+        kv_reserve_bytes=kv_reserve,
+        compiler_bytes=health.compiler_bytes,
+    )
+    memory = {
+        "budget_bytes": plan.budget_bytes,
+        "baseline_bytes": health.baseline_bytes,
+        "kv_reserve_bytes": kv_reserve,
+        "compiler_bytes": health.compiler_bytes,
+        "slab_bytes": plan.slab_bytes,
+        "processes": {info.name: info.memory_bytes for info in health.processes},
+    }
     return json.dumps(
         {
             "event": "ready",
@@ -71,8 +88,10 @@ def ready_line(system: RunningSystem) -> str:
             "run_dir": system.run_dir,
             "slab": system.slab_name,
             "pids": pids,
-            "plan": asdict(system.plan),
+            "plan": asdict(plan),
+            "memory": memory,
             "pinned": [list(pair) for pair in system.config.pinned],
+            "curve_public_key": system.curve_public_key,  # null: no CURVE; else what clients pass as --server-key
         }
     )
 
@@ -103,13 +122,13 @@ def _with_default_usage_file(options: SupervisorOptions) -> SupervisorOptions:
 
 def run_supervisor(options: SupervisorOptions) -> int:
     """Start the system, print the ready line, watch it until a signal or a fatal failure; the exit code."""
-    options = _with_default_usage_file(options)
     system: RunningSystem | None = None
     watcher: Watcher | None = None
     context = zmq.Context()
     # The supervisor has no death pipe and its parent may be a shell that exits: it watches signals only.
     with ProcessLife(death_fd=None, watch_parent=False) as life:
         try:
+            options = _with_default_usage_file(options)  # opens the store: a missing model is refused here
             report = clean_stale_runs()
             if report.removed_dirs:
                 logger.info(
@@ -119,6 +138,8 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 )
             if options.run_dir is not None:
                 claim_run_dir(options.run_dir)
+            if options.endpoint is not None:
+                check_endpoint_free(options.endpoint)
             system = start_system(
                 model_dir=options.model,
                 memory_budget=options.memory_budget,
@@ -133,13 +154,19 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 log_level=options.log_level,
                 kv_reserve_bytes=options.kv_reserve,
                 start_timeout=options.start_timeout,
+                hang_timeout=options.hang_timeout,
                 jobs_endpoint=options.endpoint,
                 io_read_delay_ms=options.test_io_read_delay_ms,
                 compute_lanes=options.compute_lanes,
                 prefetch=options.prefetch,
                 replacement=options.replacement,
+                # The launcher's own memory is in the budget (coordinator/footprint.py).
+                run_config={**job_limits(options), "supervisor_pid": os.getpid()},
+                curve=options.curve,
+                curve_keys=options.curve_keys,
                 cancel=lambda: life.stop_requested,
             )
+            release_startup_lines()
             try:
                 sys.stdout.write(ready_line(system) + "\n")
                 sys.stdout.flush()
@@ -151,13 +178,11 @@ def run_supervisor(options: SupervisorOptions) -> int:
         except LaunchCancelled:
             logger.info("stopped by a signal while starting")
             return EXIT_OK
-        except (LaunchError, BudgetError, RunDirInUse) as error:
-            logger.error("%s", error)
-            return EXIT_FAILED
-        except (ValueError, OSError) as error:  # a model dir that is not a model, a bad pin, ...
-            logger.error("cannot start: %s: %s", type(error).__name__, error)
+        except REFUSALS as error:  # a model dir that is not a model, a budget too small, ...: one line
+            refuse(error, debug=options.log_level == "DEBUG")
             return EXIT_FAILED
         finally:
+            release_startup_lines()
             if watcher is not None:
                 watcher.close()
             context.term()

@@ -47,12 +47,25 @@ class SupervisorOptions:
     log_level: str = "INFO"
     kv_reserve: int = DEFAULT_KV_RESERVE_BYTES
     start_timeout: float = 120.0
+    hang_timeout: float = 10.0  # a worker owing work and silent this long (plus its work's allowance) is hung
     restart: RestartPolicy = RestartPolicy()
     compute_lanes: int | None = None  # None: the GPU worker's auto choice
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
+    # The job front door's limits (coordinator/job_limits.py); None: the model's context, or half the queue.
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_queued_per_client: int | None = None
     test_io_read_delay_ms: float = 0.0
     test_hooks: tuple[str, ...] = ()
+    curve: bool = False  # the jobs endpoint a CURVE server with a key pair made for this run
+    curve_keys: str | None = None  # ... or with the pair in this directory (shared.curve)
+
+
+def job_limits(options: SupervisorOptions) -> dict[str, int]:
+    """The front door's limits the flags set, as `RunConfig` fields (an unset one keeps its default)."""
+    names = ("max_prompt_tokens", "max_tokens", "max_queued_per_client")
+    return {name: getattr(options, name) for name in names if getattr(options, name) is not None}
 
 
 def _size(text: str) -> int:
@@ -97,8 +110,8 @@ def _replacement(text: str) -> str:
 
 
 def _endpoint(text: str) -> str:
-    try:
-        return check_jobs_endpoint(text)
+    try:  # the form only: whether it may be exposed depends on --curve, checked after parsing
+        return check_jobs_endpoint(text, curve=True)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -113,8 +126,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line (argparse's own starts with the whole usage synopsis)."""
+
+    def error(self, message: str):  # type: ignore[override]  # argparse's NoReturn
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
-    parser = argparse.ArgumentParser(prog="moeslab-launch", description=DESCRIPTION)
+    parser = _Parser(prog="moeslab-launch", description=DESCRIPTION)
     add = parser.add_argument
     add("--model", required=True, metavar="DIR", help="the mlx-lm model directory")
     add(
@@ -156,23 +176,68 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         metavar="NAME",
         help=f"the resident experts' replacement policy: lru or lrfu[:HALF_LIFE] (default {DEFAULT_REPLACEMENT})",
     )
+    add(
+        "--max-prompt-tokens",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="refuse a prompt of more tokens (default and upper bound: the model's context)",
+    )
+    add(
+        "--max-tokens",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="refuse a job asking for more tokens (default: the model's context; the prompt plus "
+        "max_tokens must fit the context too)",
+    )
+    add(
+        "--max-queued-per-client",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="waiting jobs one client may hold (default: half the queue, so no client fills it)",
+    )
     add("--run-dir", default=None, metavar="DIR", help="default: a fresh private directory")
     add(
         "--endpoint",
         type=_endpoint,
         default=None,
         metavar="URL",
-        help="jobs endpoint (default ipc://RUN_DIR/jobs; tcp://127.0.0.1:PORT allowed, loopback only)",
+        help="jobs endpoint (default ipc://RUN_DIR/jobs; tcp://127.0.0.1:PORT; another tcp host needs --curve)",
+    )
+    curve = parser.add_mutually_exclusive_group()
+    curve.add_argument(
+        "--curve",
+        action="store_true",
+        help="serve jobs over ZeroMQ CURVE with a key pair made for this run (RUN_DIR/curve); "
+        "clients need the ready line's curve_public_key",
+    )
+    curve.add_argument(
+        "--curve-keys", default=None, metavar="DIR", help="like --curve with DIR/server.key_secret (mode 0600)"
     )
     add("--usage-file", default=None, metavar="PATH", help="the expert usage ledger")
     add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
     add("--kv-reserve", type=_size, default=DEFAULT_KV_RESERVE_BYTES, metavar="SIZE")
     add("--start-timeout", type=_seconds, default=120.0, metavar="S", help="for a child to become ready")
+    add(
+        "--hang-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="a worker that owes work and shows no progress this long (plus an allowance for the bytes or rows "
+        "it owes) is killed and replaced like a dead one; the coordinator's health probe has the same deadline",
+    )
     add("--max-restarts", type=_count(0), default=5, metavar="N", help="per child, within --restart-window")
     add("--restart-window", type=_seconds, default=60.0, metavar="S")
     add("--test-io-read-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add("--test-hooks", default="", help=argparse.SUPPRESS)  # comma-separated coordinator test hooks
     ns = parser.parse_args(argv)
+    if ns.endpoint is not None:
+        try:
+            check_jobs_endpoint(ns.endpoint, curve=ns.curve or ns.curve_keys is not None)
+        except ValueError as error:
+            parser.error(str(error))
     return SupervisorOptions(
         model=ns.model,
         memory_budget=ns.memory_budget,
@@ -187,13 +252,19 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         log_level=ns.log_level,
         kv_reserve=ns.kv_reserve,
         start_timeout=ns.start_timeout,
+        hang_timeout=ns.hang_timeout,
         restart=RestartPolicy(max_restarts=ns.max_restarts, window_s=ns.restart_window),
         compute_lanes=ns.compute_lanes,
         prefetch=ns.prefetch,
         replacement=ns.replacement,
+        max_prompt_tokens=ns.max_prompt_tokens,
+        max_tokens=ns.max_tokens,
+        max_queued_per_client=ns.max_queued_per_client,
         test_io_read_delay_ms=ns.test_io_read_delay_ms,
         test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook),
+        curve=ns.curve,
+        curve_keys=ns.curve_keys,
     )
 
 
-__all__ = ["LOG_LEVELS", "RestartPolicy", "SupervisorOptions", "parse_args"]
+__all__ = ["LOG_LEVELS", "RestartPolicy", "SupervisorOptions", "job_limits", "parse_args"]

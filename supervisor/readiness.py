@@ -9,22 +9,33 @@ request with a timeout.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 
 import zmq
 
 from shared.children import ChildProcess
+from shared.curve import client_curve
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
 from shared.protocol import ProtocolError, decode, encode
 from shared.sockets import open_socket
 
 COORDINATOR, GPU_WORKER = "coordinator", "GPU worker"
 ASK_INTERVAL_S = 0.5
+# A child's log line starts 'DATE TIME NAME[PID] LEVEL LOGGER: '; the summary names the child already.
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ \S+\[\d+\] [A-Z]+ \S+: ")
 
 
 class LaunchError(RuntimeError):
-    """A child died or stalled while the system started; the message says which and why."""
+    """A child died or stalled while the system started; the message says which and why.
+
+    `summary` is the same on one line (`moeslab-launch` prints it; the message's stderr tails
+    repeat lines the children's own output already showed)."""
+
+    def __init__(self, message: str, *, summary: str | None = None) -> None:
+        super().__init__(message)
+        self.summary = summary if summary is not None else " ".join(message.split())
 
 
 class LaunchCancelled(LaunchError):
@@ -35,12 +46,13 @@ def io_worker_name(index: int) -> str:
     return f"I/O worker {index}"
 
 
-def ask_health(endpoint: str, *, timeout: float) -> HealthReply | None:
-    """One `health` request to the jobs endpoint; None when no (good) reply came within `timeout` s."""
+def ask_health(endpoint: str, *, timeout: float, server_key: str | None = None) -> HealthReply | None:
+    """One `health` request to the jobs endpoint; None when no (good) reply came within `timeout` s.
+    `server_key`: the endpoint's CURVE server key (z85), if it is a CURVE server."""
     context = zmq.Context()
     sock = None
     try:
-        sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False)
+        sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False, curve=client_curve(server_key))
         sock.send(encode(HealthRequest(id="health")))
         if sock.poll(timeout * 1000):
             reply = decode(sock.recv(), CLIENT_ACCEPTS)
@@ -59,6 +71,7 @@ def wait_until_ready(
     io_workers: int,
     timeout: float,
     cancel: Callable[[], bool] | None = None,
+    server_key: str | None = None,
 ) -> None:
     """Return once health says ready with all `io_workers`; LaunchError when a child exits or time runs out."""
     deadline = time.monotonic() + timeout
@@ -66,7 +79,7 @@ def wait_until_ready(
     sock = None
     last: HealthReply | None = None
     try:
-        sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False)
+        sock = open_socket(context, zmq.DEALER, connect=endpoint, unbounded=False, curve=client_curve(server_key))
         asked = 0
         next_ask = 0.0
         while True:
@@ -76,10 +89,14 @@ def wait_until_ready(
             if dead:
                 time.sleep(0.3)  # let the others' last words and exits arrive too
                 dead = [child for child in children if child.exit_code is not None]
-                raise LaunchError("the system failed to start:\n" + "\n".join(c.describe() for c in dead))
+                raise LaunchError(
+                    "the system failed to start:\n" + "\n".join(c.describe() for c in dead),
+                    summary="the system failed to start: " + "; ".join(_last_words(c) for c in dead),
+                )
             now = time.monotonic()
             if now > deadline:
-                raise LaunchError(_stalled(children, io_workers, timeout, last))
+                message = _stalled(children, io_workers, timeout, last)
+                raise LaunchError(message, summary=message.split(":\n", 1)[0])
             if now >= next_ask:
                 asked += 1
                 sock.send(encode(HealthRequest(id=f"launch-{asked}")))
@@ -97,6 +114,19 @@ def wait_until_ready(
         if sock is not None:
             sock.close(linger=0)
         context.term()
+
+
+def _last_words(child: ChildProcess) -> str:
+    """'NAME (pid P) exited with code C: its last stderr line', on one line."""
+    code = child.exit_code
+    if code is None:
+        state = "is still running"
+    elif code < 0:
+        state = f"was killed by signal {-code}"
+    else:
+        state = f"exited with code {code}"
+    said = [_LOG_PREFIX.sub("", line.strip()) for line in child.stderr_tail() if line.strip()]
+    return f"{child.name} (pid {child.pid}) {state}: " + (said[-1] if said else "(no stderr output)")
 
 
 def _stalled(children: Sequence[ChildProcess], io_workers: int, timeout: float, last: HealthReply | None) -> str:

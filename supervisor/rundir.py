@@ -32,7 +32,19 @@ RUN_RECORD = "supervisor.json"
 RUN_DIR_PREFIX = "moeslab-"
 RECORD_VERSION = 1
 # What a launch leaves in a run directory it was given (it never removes that directory itself).
-RUN_FILES = ("config.json", "manifest.json", ".config.json.tmp", "io", "gpu", "jobs", RUN_RECORD)
+RUN_FILES = (
+    "config.json",
+    "manifest.json",
+    ".config.json.tmp",
+    "io",
+    "gpu",
+    "jobs",
+    RUN_RECORD,
+    "processes.json",
+    "processes.json.tmp",
+    "curve/server.key_secret",  # a dead CURVE run's key pair (shared.curve); the empty directory stays
+    "curve/server.key",
+)
 
 
 @dataclass(frozen=True, slots=True)

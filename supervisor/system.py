@@ -63,8 +63,10 @@ from shared.config import (
     run_endpoints,
     write_config,
 )
+from shared.curve import CURVE_DIR, CurveKeys, load_server_keys, new_server_keys, write_server_keys
 from shared.job_messages import HealthReply
 from shared.plan import ExpertResidencyPlan
+from shared.process_table import role_key, write_process_table
 from shared.slab import Slab, new_slab_name
 from shared.sockets import ipc_path
 from shared.store import ExpertStore
@@ -82,6 +84,7 @@ class _Launch:
     python: str
     gpu_command: tuple[str, ...] | None  # replaces `python -m gpuworker` (tests)
     jobs_endpoint: str | None
+    curve: CurveKeys | None = None  # the jobs endpoint's CURVE server key pair (written to RUN_DIR/curve)
 
 
 class RunningSystem:
@@ -104,6 +107,7 @@ class RunningSystem:
         self.children: list[ChildProcess] = []
         self._slab_name: str | None = None
         self._created: list[str] = []
+        self.restarts: dict[str, int] = {}  # child name -> times restarted (the process table's counts)
         self._stopped = False
 
     # ------------------------------------------------------------ public
@@ -113,6 +117,11 @@ class RunningSystem:
         """The jobs endpoint clients connect to."""
         assert self.config is not None
         return self.config.endpoints.jobs
+
+    @property
+    def curve_public_key(self) -> str | None:
+        """The CURVE server key (z85) a client of the jobs endpoint needs; None without CURVE."""
+        return None if self._launch.curve is None else self._launch.curve.server_public.decode()
 
     @property
     def pids(self) -> dict[str, int]:
@@ -131,7 +140,7 @@ class RunningSystem:
         return [child.describe() for child in self.children if child.exit_code is not None]
 
     def health(self, *, timeout: float = 5.0) -> HealthReply:
-        reply = ask_health(self.endpoint, timeout=timeout)
+        reply = ask_health(self.endpoint, timeout=timeout, server_key=self.curve_public_key)
         if reply is None:
             raise TimeoutError(f"no health reply from {self.endpoint} within {timeout} s")
         return reply
@@ -168,6 +177,9 @@ class RunningSystem:
         manifest = os.path.join(self.run_dir, MANIFEST_FILE)
         self._write(manifest, json.dumps([os.path.abspath(path) for path in self.store.manifest]))
         slab = SlabSpec(name=name, total_slots=plan.total_slots, slot_bytes=plan.slot_bytes)
+        if self._launch.curve is not None:  # the key pair lives, and is removed, with the run
+            self._fields["curve_keys"] = os.path.join(self.run_dir, CURVE_DIR)
+            self._created += write_server_keys(self._fields["curve_keys"], self._launch.curve)
         config = RunConfig(
             run_dir=self.run_dir, manifest=manifest, plan=plan, endpoints=endpoints, slab=slab, **self._fields
         )
@@ -200,6 +212,15 @@ class RunningSystem:
     def _spawn_all(self) -> None:
         for spawn in self._spawners().values():
             self.children.append(spawn())
+        self._record_processes()
+
+    def _record_processes(self) -> None:
+        """Rewrite the process table the coordinator answers `health` from (shared/process_table.py)."""
+        pids = {"supervisor": os.getpid(), **{role_key(child.name): child.pid for child in self.children}}
+        restarts = {role_key(name): count for name, count in self.restarts.items()}
+        path = write_process_table(self.run_dir, pids, restarts)
+        if path not in self._created:
+            self._created.append(path)
 
     def _wait_ready(self, cancel: Callable[[], bool] | None = None) -> None:
         assert self.config is not None
@@ -209,6 +230,7 @@ class RunningSystem:
             io_workers=self.config.io_workers,
             timeout=self.config.start_timeout_s,
             cancel=cancel,
+            server_key=self.curve_public_key,
         )
 
     def _write(self, path: str, text: str) -> None:
@@ -230,6 +252,8 @@ class RunningSystem:
         child.join()
         replacement = self._spawners()[child.name]()
         self.children[position] = replacement
+        self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
+        self._record_processes()
         logger.info("restarted %s as pid %d", child.name, replacement.pid)
         return replacement
 
@@ -241,6 +265,8 @@ class RunningSystem:
         for child in self.children:  # their sessions died with the coordinator: nothing to finish
             child.kill()
         stop_children(self.children, timeout=5.0)
+        for child in self.children:
+            self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
         self.children.clear()
         assert self.config is not None
         for endpoint in (self.config.endpoints.io, self.config.endpoints.gpu, self.config.endpoints.jobs):
@@ -282,7 +308,9 @@ class RunningSystem:
                 except posix_ipc.ExistentialError:
                     pass
             for path in self._created:
-                if path and os.path.lexists(path):
+                if path and os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)  # RUN_DIR/curve
+                elif path and os.path.lexists(path):
                     os.unlink(path)
             if self._owns_run_dir and self.run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -304,6 +332,7 @@ def start_system(
     kv_reserve_bytes: int = DEFAULT_KV_RESERVE_BYTES,
     block_size: int = 4096,
     start_timeout: float = 120.0,
+    hang_timeout: float = 10.0,
     gpu_command: Sequence[str] | None = None,
     python: str = sys.executable,
     jobs_endpoint: str | None = None,
@@ -314,6 +343,8 @@ def start_system(
     replacement: str = DEFAULT_REPLACEMENT,
     run_config: Mapping[str, Any] | None = None,
     cancel: Callable[[], bool] | None = None,
+    curve: bool = False,
+    curve_keys: str | os.PathLike[str] | None = None,
 ) -> RunningSystem:
     """Start coordinator, `io_workers` I/O workers and the GPU worker for `model_dir`; ready on return.
 
@@ -327,7 +358,8 @@ def start_system(
     residency manager's replacement policy (`shared.config.parse_replacement`). `run_config`: more
     `RunConfig` fields (the coordinator's policy knobs, e.g. `queue_limit`, `usage_flush_s`).
     `cancel` is polled while waiting for readiness: True stops the launch (`LaunchCancelled`), with
-    everything it created removed.
+    everything it created removed. `curve`: the jobs endpoint is a CURVE server with a fresh key pair;
+    `curve_keys`: ... with the pair in that directory (`shared.curve.load_server_keys`).
     """
     if io_mode not in IO_MODES:
         raise ValueError(f"io_mode must be one of {IO_MODES}, got {io_mode!r}")
@@ -341,7 +373,8 @@ def start_system(
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
     parse_replacement(replacement)
-    endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint)
+    keys = load_server_keys(curve_keys) if curve_keys is not None else new_server_keys() if curve else None
+    endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint, curve=keys is not None)
     store = ExpertStore.open(model_dir, block_size=block_size)
     usage = os.path.abspath(os.fspath(usage_file)) if usage_file is not None else None
     if isinstance(pinned, int):
@@ -369,6 +402,7 @@ def start_system(
         test_hooks=hooks,
         log_level=log_level,
         start_timeout_s=float(start_timeout),
+        hang_timeout_s=float(hang_timeout),
         compute_lanes=compute_lanes,
         prefetch=prefetch,
         io_staging=io_staging,
@@ -376,7 +410,9 @@ def start_system(
         test_io_read_delay_ms=float(io_read_delay_ms) if io_read_delay_ms else None,
         **(run_config or {}),
     )
-    launch = _Launch(python=python, gpu_command=tuple(gpu_command) if gpu_command else None, jobs_endpoint=endpoint)
+    launch = _Launch(
+        python=python, gpu_command=tuple(gpu_command) if gpu_command else None, jobs_endpoint=endpoint, curve=keys
+    )
     system = RunningSystem(
         store=store,
         plan=plan,

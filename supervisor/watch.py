@@ -8,7 +8,11 @@
   `--restart-window` seconds, with a growing pause; one more death stops the
   system with a message naming the child (exit 1);
 - a restarted child that is not ready within `--start-timeout` is killed
-  (which counts as another death).
+  (which counts as another death);
+- a coordinator that answers no health probe (asked every second) for
+  `--hang-timeout` seconds is hung: it is killed, which is a death like any
+  other (every child restarts with it). Its event loop answers health even
+  while it waits on I/O, so silence means it is stopped or stuck, not busy.
 
 The loop sleeps in `select` on the children's exit sentinels and the
 supervisor's wake pipe (stop signals), so it reacts at once to either.
@@ -26,6 +30,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from shared.children import ChildProcess
+from shared.curve import client_curve
 from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
 from shared.process import ProcessLife
 from shared.protocol import ProtocolError, decode, encode
@@ -37,7 +42,8 @@ from supervisor.system import RunningSystem
 logger = logging.getLogger("moeslab.supervisor")
 
 EXIT_OK, EXIT_FAILED = 0, 1
-HEALTH_INTERVAL_S = 0.5
+HEALTH_INTERVAL_S = 0.5  # while a restarted child is not ready yet
+PROBE_INTERVAL_S = 1.0  # otherwise: the coordinator's liveness probe
 # After this long the coordinator has noticed a dead child (its watchdogs look every 0.1-0.5 s).
 READY_SETTLE_S = 1.5
 
@@ -59,10 +65,12 @@ class Watcher:
         self.deaths: dict[str, deque[float]] = {}
         self.restart_at: dict[str, float] = {}  # name -> when its dead child is restarted
         self.unready: dict[str, _Unready] = {}  # restarted children not known to be ready yet
-        self.health = open_socket(context, zmq.DEALER, connect=system.endpoint, unbounded=False)
+        curve = client_curve(system.curve_public_key)  # the front door may be a CURVE server
+        self.health = open_socket(context, zmq.DEALER, connect=system.endpoint, unbounded=False, curve=curve)
         self.next_health = 0.0
         self.sent = 0
         self.asked: dict[str, float] = {}  # health request id -> when it was sent
+        self.answered = time.monotonic()  # the coordinator's last health reply (or its last start)
 
     def run(self) -> int:
         while True:
@@ -81,12 +89,12 @@ class Watcher:
                 # A coordinator restart clears the others' entries: every child starts anew.
                 if name in self.restart_at and due <= now and not self._restart(name):
                     return EXIT_FAILED
-            self._check_ready(time.monotonic())
+            self._probe(time.monotonic())
 
     def _wait(self) -> None:
         sentinels = [child.sentinel for child in self.system.children if child.exit_code is None]
         timeout = 0.2 if None in sentinels else 1.0
-        wakeups = list(self.restart_at.values()) + ([self.next_health] if self.unready else [])
+        wakeups = [*self.restart_at.values(), self.next_health]
         soonest = min(wakeups, default=None)
         if soonest is not None:
             timeout = min(timeout, max(0.0, soonest - time.monotonic()))
@@ -131,6 +139,8 @@ class Watcher:
                 self.unready.clear()
                 self.restart_at.clear()  # the others' deaths are moot: every child starts again
                 self.system.restart_all(cancel=lambda: self.life.stop_requested)
+                self.answered = time.monotonic()  # it was ready, just now
+                self.asked.clear()
                 return True
             child = next(c for c in self.system.children if c.name == name)
             replacement = self.system.respawn(child)
@@ -144,8 +154,45 @@ class Watcher:
         logger.info("%s restarted as pid %d; waiting for it to be ready", name, replacement.pid)
         return True
 
-    def _check_ready(self, now: float) -> None:
-        """Ask health while a restarted child is not ready yet; kill one that stalls.
+    def _probe(self, now: float) -> None:
+        """Read health replies, kill a coordinator that stopped answering, ask again when due."""
+        replies = []
+        while self.health.poll(0):
+            try:
+                reply = decode(self.health.recv(), CLIENT_ACCEPTS)
+            except ProtocolError:
+                continue
+            asked = self.asked.pop(reply.id, None) if isinstance(reply, HealthReply) else None
+            if asked is not None:
+                self.answered = now
+                replies.append((reply, asked))
+        self._check_ready(now, replies)
+        coordinator = next((c for c in self.system.children if c.name == COORDINATOR), None)
+        if coordinator is not None and coordinator.exit_code is None and COORDINATOR not in self.restart_at:
+            silent = now - self.answered
+            if self.asked and silent > self.options.hang_timeout:
+                logger.error(
+                    "the coordinator (pid %d) answered no health probe for %.1f s (--hang-timeout %g): it is "
+                    "hung; killing it",
+                    coordinator.pid,
+                    silent,
+                    self.options.hang_timeout,
+                )
+                self.asked.clear()
+                coordinator.process.kill()  # its exit is seen next loop: a death, so everything restarts
+                return
+        if now >= self.next_health:
+            self.sent += 1
+            request = f"supervisor-{self.sent}"
+            try:
+                self.health.send(encode(HealthRequest(id=request)), zmq.NOBLOCK)
+                self.asked[request] = now
+            except zmq.Again:  # no coordinator connected right now (dead, or restarting): nothing to ask
+                pass
+            self.next_health = now + (HEALTH_INTERVAL_S if self.unready else PROBE_INTERVAL_S)
+
+    def _check_ready(self, now: float, replies: list[tuple[HealthReply, float]]) -> None:
+        """Note restarted children that health shows ready; kill one that stalls.
 
         A reply may still describe the dead child (the coordinator notices a death by its own
         watchdog), so "ready" counts only once health has shown the child down, or in a reply
@@ -153,14 +200,7 @@ class Watcher:
         never kill a healthy child."""
         if not self.unready:
             return
-        while self.health.poll(0):
-            try:
-                reply = decode(self.health.recv(), CLIENT_ACCEPTS)
-            except ProtocolError:
-                continue
-            asked = self.asked.pop(reply.id, None) if isinstance(reply, HealthReply) else None
-            if asked is None:
-                continue
+        for reply, asked in replies:
             for name, state in list(self.unready.items()):
                 up = reply.gpu_worker if name == GPU_WORKER else reply.io_workers == self.system.io_workers
                 if not up:
@@ -179,12 +219,6 @@ class Watcher:
                 )
                 del self.unready[name]
                 child.process.kill()
-        if self.unready and now >= self.next_health:
-            self.sent += 1
-            request = f"supervisor-{self.sent}"
-            self.health.send(encode(HealthRequest(id=request)), zmq.NOBLOCK)
-            self.asked[request] = now
-            self.next_health = now + HEALTH_INTERVAL_S
 
     def close(self) -> None:
         self.health.close(linger=0)

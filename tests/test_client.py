@@ -444,7 +444,7 @@ def test_cli_job_errors_exit_1(fake, capsys, reply, message):
         (["--prompt-tokens", "1,x,3"], "comma-separated"),
         (["--prompt-tokens", "1,,3"], "comma-separated"),
         (["--prompt-tokens", "-1"], "comma-separated"),
-        ([], "one of the arguments --prompt --prompt-tokens is required"),
+        ([], "one of the arguments --prompt --prompt-tokens --health is required"),
         (["--prompt", "x", "--max-tokens", "0"], "must be >= 1"),
         (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
         (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),

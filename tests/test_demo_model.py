@@ -45,9 +45,9 @@ SMALL = dict(
 
 def test_default_sizing_is_four_times_the_budget():
     sizes = demo_sizes(demo_config())
-    assert sizes.expert_bytes == 4 * DEMO_MEMORY_BUDGET  # 768 MiB of experts, 192 MiB budget
+    assert sizes.expert_bytes == 4 * DEMO_MEMORY_BUDGET  # 2304 MiB of experts, 576 MiB budget
     assert suggested_budget(sizes) == DEMO_MEMORY_BUDGET
-    assert (sizes.sparse_layers, sizes.experts_per_layer, sizes.top_k) == (8, 64, 4)
+    assert (sizes.sparse_layers, sizes.experts_per_layer, sizes.top_k) == (8, 192, 4)
     # Dense part plus the mandatory slots (top-k working bank + one per layer) fit with room to spare.
     assert sizes.floor_bytes < DEMO_MEMORY_BUDGET // 2
     assert sizes.floor_bytes == sizes.dense_bytes + (4 + 8) * sizes.slot_bytes

@@ -28,14 +28,16 @@ from tests.helpers.raw_client import RawClient
 from tests.helpers.system import PROMPT, run_job, start_test_system, wait_for
 
 QUEUE_LIMIT = 2
-CONTEXT = 2048  # the tiny models' max_position_embeddings
+PROMPT_LIMIT = 2048  # --max-prompt-tokens (the tiny models' context is far longer)
 FOREVER = 100_000  # max_tokens of a job that only ends when cancelled
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("front-door"), family="qwen3_moe")
-    with start_test_system(path, run_config=dict(queue_limit=QUEUE_LIMIT)) as running:
+    # One client may fill the queue here (the per-client share is tests/test_limits.py's).
+    limits = dict(queue_limit=QUEUE_LIMIT, max_queued_per_client=QUEUE_LIMIT, max_prompt_tokens=PROMPT_LIMIT)
+    with start_test_system(path, run_config=limits) as running:
         yield running
 
 
@@ -74,8 +76,11 @@ def test_cumulative_stats_add_up_over_two_jobs(system):
     assert first.prompt_tokens == len(PROMPT) and second.prompt_tokens == len("Hello, little model")
     assert first.misses > 0 and first.bytes_read > 0 and first.disk_p99_ms >= first.disk_p50_ms > 0
     for stats in (first, second):
-        assert stats.budget_bytes == system.plan.budget_bytes and stats.overhead_bytes > 0
-        assert stats.peak_footprint_bytes >= stats.footprint_bytes > stats.budget_bytes // 4
+        assert stats.budget_bytes == system.plan.budget_bytes and stats.baseline_bytes > 0
+        # the footprint is the whole system's: its processes (measured, more than the baseline's
+        # zero) and the slab's resident pages, within the budget
+        assert stats.footprint_bytes == stats.processes_bytes + stats.slab_bytes > stats.slab_bytes > 0
+        assert stats.budget_bytes >= stats.peak_footprint_bytes >= stats.footprint_bytes
     assert total.peak_footprint_bytes >= max(first.peak_footprint_bytes, second.peak_footprint_bytes)
     assert total.budget_bytes == system.plan.budget_bytes and total.footprint_bytes > 0
     if before.jobs_done + before.jobs_failed == 0:  # rates and percentiles of exactly these two jobs
@@ -182,12 +187,12 @@ MALFORMED = [
     (_generate(id="r5", top_p=0.0), "bad_request", "r5", "top_p"),
     (_generate(id="r6", top_p=1.5), "bad_request", "r6", "top_p"),
     (_generate(id="r7", prompt_tokens=[VOCAB_SIZE]), "bad_request", "r7", "vocabulary"),
-    (_generate(id="r8", prompt_tokens=[1] * (CONTEXT + 1)), "prompt_too_long", "r8", f"context is {CONTEXT}"),
+    (_generate(id="r8", prompt_tokens=[1] * (PROMPT_LIMIT + 1)), "prompt_too_long", "r8", f"limit is {PROMPT_LIMIT}"),
     (
-        _generate(id="r9", prompt="a" * (CONTEXT + 100), prompt_tokens=None),
+        _generate(id="r9", prompt="a" * (PROMPT_LIMIT + 100), prompt_tokens=None),
         "prompt_too_long",
         "r9",
-        "max_position_embeddings",
+        "--max-prompt-tokens",
     ),  # tokenized and refused by the GPU worker
     (_generate(id="b1", prompt="hi"), "bad_request", "b1", "exactly one"),
     ({"op": "generate", "id": "b2"}, "bad_request", "b2", "exactly one"),
@@ -275,10 +280,10 @@ def test_validate_names_the_context_and_the_vocabulary_from_the_model_config():
 
     limits = FrontDoorLimits.for_model({"text_config": {"max_position_embeddings": 8, "vocab_size": 100}})
     assert (limits.context_tokens, limits.vocab_size) == (8, 100)
-    assert validate(Generate(id="a", prompt_tokens=(1,) * 8), limits) is None
-    assert validate(Generate(id="a", prompt_tokens=(1,) * 9), limits)[0] == "prompt_too_long"
-    assert validate(Generate(id="a", prompt_tokens=(99, 100)), limits)[0] == "bad_request"
-    assert validate(Generate(id="a", prompt="x" * 100), limits) is None  # the GPU worker counts its tokens
+    assert validate(Generate(id="a", prompt_tokens=(1,) * 7, max_tokens=1), limits) is None
+    assert validate(Generate(id="a", prompt_tokens=(1,) * 9, max_tokens=1), limits)[0] == "prompt_too_long"
+    assert validate(Generate(id="a", prompt_tokens=(99, 100), max_tokens=1), limits)[0] == "bad_request"
+    assert validate(Generate(id="a", prompt="x" * 100, max_tokens=1), limits) is None  # the GPU worker counts
     assert FrontDoorLimits.for_model({"max_position_embeddings": True}).context_tokens is None
 
 

@@ -124,7 +124,7 @@ def test_logprobs_are_the_steps_log_softmax(loaded):
 
 def test_prompts_raw_text_or_ids_and_their_limits(loaded):
     _, tokenizer, config = loaded
-    assert context_length(config) == 2048 and vocab_size(config) == VOCAB_SIZE
+    assert context_length(config) == 131072 and vocab_size(config) == VOCAB_SIZE
     assert context_length({"text_config": {"max_position_embeddings": 7}}) == 7
     assert context_length({}) is None
     # Raw text: bytes, no chat template (which would add <|im_start|> tokens).

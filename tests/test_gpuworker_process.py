@@ -519,9 +519,9 @@ def test_cancel_between_tokens(fp32):
 
 def test_prompt_too_long_names_both_numbers(fp32):
     coordinator, _, _, _ = fp32
-    _, error = coordinator.run_job(Job(job_id=30, prompt_tokens=(65,) * 2049, max_tokens=1))
+    _, error = coordinator.run_job(Job(job_id=30, prompt_tokens=(65,) * 131073, max_tokens=1))
     assert isinstance(error, JobError) and error.code == "prompt_too_long"
-    assert "2049" in error.message and "2048" in error.message
+    assert "131073" in error.message and "131072" in error.message
 
 
 def test_malformed_frames_get_error_replies_and_the_worker_serves_on(fp32):

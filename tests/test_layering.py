@@ -16,6 +16,8 @@ module level, inside functions, and inside `if TYPE_CHECKING:` blocks.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Collection
 from pathlib import Path
 
@@ -118,6 +120,16 @@ def test_a_process_package_imports_no_other_process_package(package):
     assert not {name: found for name, found in wrong.items() if found}, (
         f"{package}/ may reach other processes only through shared/ and the wire"
     )
+
+
+@pytest.mark.parametrize("entry", ["supervisor.main", "coordinator.main", "ioworker.main", "shared.cli_send"])
+def test_a_process_that_never_computes_does_not_load_mlx(entry):
+    """Every byte a process maps counts in the memory budget (coordinator/footprint.py): MLX (and
+    mlx-lm, transformers) belong to the GPU worker alone."""
+    code = f"import sys, {entry}; print(sorted(m for m in ('mlx', 'mlx_lm', 'transformers') if m in sys.modules))"
+    found = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == "[]", f"{entry} loads {found.stdout.strip()}"
 
 
 def test_no_import_cycle_between_product_modules():

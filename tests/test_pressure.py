@@ -1,45 +1,59 @@
-"""Footprint pressure: what is measured, what is corrected, and what fails with `memory_pressure`.
+"""The budget covers the whole system: what is measured, how the slab is sized, what is corrected.
 
-The footprint compared with the budget is dense weights + slab resident bytes +
-every process's private-memory growth since it started serving (+ the test
-offset); see coordinator/footprint.py. Unit tests pin that formula and the page
-release down; the system tests run a model whose experts are several times the
-budget (its footprint, measured from outside with psutil, stays within it), then
-add a synthetic offset (the `test_footprint_offset_bytes` test knob) that
-pressure correction can absorb by evicting, and one it cannot.
+The footprint compared with the budget is every process's PSS less its share
+of the slab, plus the slab's resident pages once (+ the test offset); see
+coordinator/footprint.py. Unit tests pin that formula, the sizing of the
+slab after the measured processes and the page release down. The system
+tests measure a system's processes, then run it under a budget just above
+them: the slab gets what is left, and the sum of every process's PSS,
+sampled from outside every 10 ms, stays within the budget. A budget the
+processes leave no room in is refused, naming them; a synthetic offset (the
+`test_footprint_offset_bytes` knob) is absorbed by evicting, or fails the
+job with `memory_pressure` when it cannot be.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import signal
+import subprocess
+import time
 
 import psutil
 import pytest
 
-from coordinator.footprint import FootprintMeter, process_private_bytes
+from coordinator.footprint import FootprintMeter
 from coordinator.memory_backend import InMemoryBackend
 from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.residency import ExpertResidencyManager
 from coordinator.safepoint import SafePoints
+from gpuworker.lanes import jit_compiler_bytes
+from instruments.memory_watch import FootprintWatch
 from shared.client import Client, JobFailedError
-from shared.plan import plan_expert_residency
+from shared.plan import plan_after_baseline, plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import Slab
 from shared.store import ExpertStore
-from tests.helpers.footprint import FootprintProbe, slab_resident
+from shared.system_memory import ProcessMemory, child_pids, descendant_pids, process_memory
+from supervisor.readiness import LaunchError
 from tests.helpers.models import write_tiny_model
-from tests.helpers.system import PROMPT, run_job, start_test_system
+from tests.helpers.system import PROMPT, run_job, start_test_system, with_processes
 
 log = logging.getLogger(__name__)
 SLOT = 64 * 1024
-KV_RESERVE = 8 << 20  # room for the KV cache and MLX's buffers (copies of leased slots): ~6 MB measured
+# Room for what grows while serving: the KV cache, MLX's buffers and copies of leased slots (the GPU
+# worker, ~6 MB measured), the Python heaps of all processes.
+KV_RESERVE = 32 << 20
+# The processes' memory varies a little from one start to the next (a few hundred KiB measured).
+BASELINE_MARGIN = 4 << 20
 STRICT = dict(pressure_tolerance_bytes=0, footprint_interval_ms=1.0)  # correct at every safe point
 
 
 # ---------------------------------------------------------------------------------------------
-# The formula and the page release, without processes
+# The formula, the sizing and the page release, without processes
 
 
 class _Clock:
@@ -50,85 +64,161 @@ class _Clock:
         return self.now
 
 
-def test_the_footprint_is_dense_plus_slab_plus_growth_plus_offset():
+def test_the_footprint_is_every_process_without_its_slab_share_plus_the_slab_once_plus_offset():
     with Slab.create(total_slots=4, slot_bytes=SLOT) as slab:
-        private = {1: 100_000, 2: 50_000}
-        pids, clock = [1, 2], _Clock()
+        memory = {11: ProcessMemory(pss=100_000, shmem=40_000), 12: ProcessMemory(pss=50_000, shmem=0)}
+        roles, clock = {"coordinator": 11, "gpu_worker": 12}, _Clock()
+        below: dict[int, list[int]] = {}  # pid -> the processes it started
+
+        def read(pid: int) -> ProcessMemory:
+            if pid not in memory:
+                raise ProcessLookupError(pid)
+            return memory[pid]
+
         meter = FootprintMeter(
             slab=slab,
-            pids=lambda: pids,
-            dense_bytes=lambda: 30_000,
+            pids=lambda: roles,
             interval_s=0.1,
             offset=7,
-            read=lambda pid: private[pid],
+            read=read,
+            below=lambda pid, skip: [child for child in below.get(pid, []) if child not in skip],
             clock=clock,
         )
-        assert meter.sample(force=True) and meter.footprint() == 30_000 + 0 + 0 + 7
-        assert meter.overhead() == 150_000 - 30_000  # the processes at start, less the dense weights
+        assert meter.mark_baseline() == 60_000 + 50_000  # the offset stands for growth, not the baseline
+        assert meter.footprint() == 110_000 + 0 + 7 and meter.parts() == {"coordinator": 60_000, "gpu_worker": 50_000}
         view = slab.slot_view(2)
         view[:] = b"\1" * SLOT  # a loaded slot: its pages count once, whoever touched them
         view.release()
-        private[1] += 4096
+        memory[12] = ProcessMemory(pss=54_096, shmem=0)
         assert not meter.sample()  # within the interval: nothing measured
         clock.now = 0.2
-        assert meter.sample() and meter.footprint() == 30_000 + SLOT + 4096 + 7
-        pids.append(3)  # a restarted worker: its first sample is its baseline
-        private[3] = 10**6
-        clock.now = 0.4
-        assert meter.sample() and meter.growth() == 4096
-        pids.remove(2)  # an exited one: its memory left with it
-        clock.now = 0.6
-        meter.sample()
-        assert meter.overhead() == 100_000 + 10**6 - 30_000 and meter.run_peak == 30_000 + SLOT + 4096 + 7
+        assert meter.sample() and meter.footprint() == 60_000 + 54_096 + SLOT + 7
+        below[11] = [12]  # a role's child that is itself a role counts once, as its own role
+        below[12], memory[21] = [21, 22], ProcessMemory(pss=30_000, shmem=0)  # its compiler (22: gone already)
+        clock.now = 0.35
+        assert meter.sample() and meter.parts() == {"coordinator": 60_000, "gpu_worker": 54_096 + 30_000}
+        below.clear()
+        del memory[12]  # exiting: its last reading stands while it is still listed
+        clock.now = 0.5
+        assert meter.sample() and meter.parts()["gpu_worker"] == 54_096 + 30_000  # its compiler's share with it
+        roles["gpu_worker"] = 13  # its replacement: a new pid, measured afresh (gone now: not counted)
+        clock.now = 0.7
+        assert meter.sample() and meter.parts() == {"coordinator": 60_000}
+        assert meter.baseline == 110_000 and meter.run_peak == 60_000 + 54_096 + 30_000 + SLOT + 7
+        assert "coordinator 60000" in meter.describe() and f"slab resident {SLOT}" in meter.describe()
 
 
-def test_real_processes_are_measured_without_the_slab_pages():
-    """private(p) excludes shared memory: touching a slab page does not grow it."""
+def test_the_processes_a_process_started_are_found_down_to_its_grandchildren():
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendant_pids(os.getpid())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = descendant_pids(os.getpid())
+        assert shell.pid in found and len(set(found)) == 3, found  # the shell and its two sleeps
+        assert set(descendant_pids(shell.pid)) == set(found) - {shell.pid} and child_pids(os.getpid()) == [shell.pid]
+        assert descendant_pids(os.getpid(), skip=[shell.pid]) == []  # a skipped process, and all below it
+    finally:
+        for pid in descendant_pids(shell.pid):
+            os.kill(pid, signal.SIGKILL)
+        shell.kill()
+        shell.wait()
+    assert descendant_pids(shell.pid) == [] and child_pids(shell.pid) == []
+
+
+def test_a_real_process_is_measured_without_the_slab_pages_it_touches():
     with Slab.create(total_slots=64, slot_bytes=SLOT) as slab:
-        me = psutil.Process().pid
-        before = process_private_bytes(me)
+        before = process_memory(os.getpid())
         for slot in range(64):
             view = slab.slot_view(slot)
             view[:] = b"\2" * SLOT
             view.release()
+        after = process_memory(os.getpid())
         assert slab.resident_bytes() == 64 * SLOT
-        assert process_private_bytes(me) - before < 64 * SLOT // 2
-        info = psutil.Process(me).memory_info()  # the same RssAnon as psutil's rss - shared (no swap here)
-        assert abs(process_private_bytes(me) - (info.rss - info.shared)) < 1 << 20
+        assert after.shmem - before.shmem >= 64 * SLOT // 2  # the slab's pages are in its PSS ...
+        assert after.own - before.own < 64 * SLOT // 2  # ... and taken out of what it owns
     with pytest.raises(psutil.NoSuchProcess):
-        process_private_bytes(2**22 + 12345)
+        process_memory(2**22 + 12345)
+
+
+def test_the_slab_is_sized_after_the_processes_and_a_budget_they_fill_is_refused_naming_them():
+    plan = plan_expert_residency(
+        budget_bytes=100 * SLOT, fixed_bytes=10 * SLOT, slot_bytes=SLOT, sparse_layers=4, working_slots=4
+    )
+    assert plan.slots_per_layer == 21
+    sized = plan_after_baseline(plan, baseline_bytes=40 * SLOT, kv_reserve_bytes=8 * SLOT)
+    assert (sized.slots_per_layer, sized.working_slots, sized.budget_bytes) == (12, 4, 100 * SLOT)
+    assert sized.planned_bytes <= 100 * SLOT
+    # never more than planned, however small the processes
+    assert plan_after_baseline(plan, baseline_bytes=0, kv_reserve_bytes=0).slots_per_layer == 21
+    with pytest.raises(ValueError) as caught:
+        plan_after_baseline(plan, baseline_bytes=90 * SLOT, kv_reserve_bytes=8 * SLOT, parts="gpu_worker 1")
+    message = str(caught.value)
+    needed = 90 * SLOT + 8 * SLOT + 8 * SLOT
+    assert f"memory budget {100 * SLOT} bytes cannot serve: the started processes use {90 * SLOT} bytes" in message
+    assert "(gpu_worker 1)" in message and f"at least {needed}" in message
+    # the room kept for the GPU worker's kernel compiler comes out of the slab, and is named
+    with_compiler = plan_after_baseline(
+        plan, baseline_bytes=40 * SLOT, kv_reserve_bytes=8 * SLOT, compiler_bytes=8 * SLOT
+    )
+    assert with_compiler.slots_per_layer == 10
+    with pytest.raises(
+        ValueError, match=f"the kernel compiler's {50 * SLOT} bytes.*at least {(40 + 8 + 50 + 8) * SLOT}"
+    ):
+        plan_after_baseline(plan, baseline_bytes=40 * SLOT, kv_reserve_bytes=8 * SLOT, compiler_bytes=50 * SLOT)
 
 
 def _locate(layer: int, expert: int) -> ExpertResidencyLocation:
     return ExpertResidencyLocation(layer=layer, expert_id=expert, segments=(ExpertIOSegment(0, 0, SLOT, 0),))
 
 
+def _manager_and_points(slab: Slab, offset: list[int]) -> tuple[ExpertResidencyManager, SafePoints, MeteredBackend]:
+    inner = InMemoryBackend(slab.total_slots, slot_bytes=SLOT)
+    meter = FootprintMeter(slab=slab, pids=dict, interval_s=0.0)
+    backend = MeteredBackend(inner, slab=slab, timer=LoadTimer(), footprint=lambda: meter.footprint() + offset[0])
+    plan = plan_expert_residency(
+        budget_bytes=10 * SLOT, fixed_bytes=0, slot_bytes=SLOT, sparse_layers=2, working_slots=2
+    )
+    manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=[0, 1], backend=backend, locate=_locate)
+    points = SafePoints(manager=manager, backend=backend, meter=meter, ledger=None, tolerance=0, flush_interval_s=1.0)
+    return manager, points, backend
+
+
+async def _fill(manager: ExpertResidencyManager, slab: Slab) -> None:
+    for layer in (0, 1):
+        for pair in ((0, 1), (2, 3), (4, 5)):
+            lease = await manager.acquire_block(layer, pair)
+            for entry in lease.entries:  # what an I/O worker's read would have written
+                view = slab.slot_view(entry.slot)
+                view[:] = b"\3" * SLOT
+                view.release()
+            lease.release_fenced()
+
+
+def test_limiting_a_layers_slots_disables_idle_ones_first_and_keeps_one():
+    async def scenario():
+        with Slab.create(total_slots=2 + 2 * 4, slot_bytes=SLOT) as slab:
+            manager, _, _ = _manager_and_points(slab, [0])
+            lease = await manager.acquire_block(0, (7,))  # layer 0: one ready slot among four
+            lease.release_fenced()
+            assert manager.limit_layer_slots(2) == 4  # two of each layer's four
+            snapshot = manager.snapshot()
+            assert snapshot.disabled == 4
+            again = await manager.acquire_block(0, (7,))  # the ready one was kept: a hit
+            assert [entry.hit for entry in again.entries] == [True]
+            again.release_fenced()
+            assert manager.limit_layer_slots(0) == 2  # at least one per layer stays
+            assert manager.snapshot().disabled == 6
+
+    asyncio.run(scenario())
+
+
 def test_pressure_correction_evicts_frees_the_pages_and_reports_what_it_cannot_fix():
     async def scenario():
         with Slab.create(total_slots=2 + 2 * 4, slot_bytes=SLOT) as slab:
-            inner = InMemoryBackend(slab.total_slots, slot_bytes=SLOT)
-            timer = LoadTimer()
             offset = [0]
-            meter = FootprintMeter(
-                slab=slab, pids=lambda: [], dense_bytes=lambda: 0, interval_s=0.0, read=lambda pid: 0
-            )
-            backend = MeteredBackend(inner, slab=slab, timer=timer, footprint=lambda: meter.footprint() + offset[0])
-            plan = plan_expert_residency(
-                budget_bytes=10 * SLOT, fixed_bytes=0, slot_bytes=SLOT, sparse_layers=2, working_slots=2
-            )
-            manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=[0, 1], backend=backend, locate=_locate)
-            points = SafePoints(
-                manager=manager, backend=backend, meter=meter, ledger=None, tolerance=0, flush_interval_s=1.0
-            )
-            for layer in (0, 1):
-                for pair in ((0, 1), (2, 3), (4, 5)):
-                    lease = await manager.acquire_block(layer, pair)
-                    for entry in lease.entries:  # what an I/O worker's read would have written
-                        view = slab.slot_view(entry.slot)
-                        view[:] = b"\3" * SLOT
-                        view.release()
-                    lease.release_fenced()
-            assert len(timer.disk_ms) == 12 and len(timer.wait_ms) == 6  # every load, every wave timed
+            manager, points, backend = _manager_and_points(slab, offset)
+            await _fill(manager, slab)
             full = slab.resident_bytes()
             assert points.check_pressure() is None  # within the budget: nothing to do
             offset[0] = 3 * SLOT  # 3 slots too many: 3 of the 6 evictable (4 per layer, keep 1) go
@@ -152,7 +242,7 @@ def test_pressure_correction_evicts_frees_the_pages_and_reports_what_it_cannot_f
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    # 4 sparse layers x 48 experts of 400 KB: 78 MB of experts, a few times any budget below.
+    # 4 sparse layers x 48 experts of 400 KB: 78 MB of experts.
     return write_tiny_model(
         tmp_path_factory.mktemp("pressure"),
         family="qwen3_moe",
@@ -162,51 +252,86 @@ def model(tmp_path_factory):
     )
 
 
-def _budget(store: ExpertStore, per_layer: int) -> int:
-    return store.dense_bytes + KV_RESERVE + (store.top_k + len(store.sparse_layers) * per_layer) * store.slot_bytes
+def _slab_bytes(store: ExpertStore, per_layer: int) -> int:
+    return (store.top_k + len(store.sparse_layers) * per_layer) * store.slot_bytes
 
 
 @pytest.fixture(scope="module")
 def calibration(model):
-    """A job on experts 6x the budget: (store, footprint at its end, slab then) for the next tests."""
+    """What the system's processes use once ready, and after a job (a start with plenty of room)."""
     store = ExpertStore.open(model)
-    budget = _budget(store, per_layer=2)
+    room = with_processes(store, store.dense_bytes + KV_RESERVE + _slab_bytes(store, 2), kv_reserve=KV_RESERVE)
+    with start_test_system(model, **room, kv_reserve_bytes=KV_RESERVE) as system:
+        health = system.health()
+        done = run_job(system, max_tokens=32, return_logprobs=False).done
+    assert health.baseline_bytes > store.dense_bytes and health.slots_per_layer == 2
+    return dict(baseline=health.baseline_bytes, after_job=done.stats.processes_bytes)
+
+
+@pytest.fixture(scope="module")
+def baseline(calibration):
+    return calibration["baseline"]
+
+
+def _budget(store: ExpertStore, baseline: int, per_layer: int) -> int:
+    return baseline + BASELINE_MARGIN + KV_RESERVE + jit_compiler_bytes() + _slab_bytes(store, per_layer)
+
+
+def test_the_whole_system_stays_within_a_budget_just_above_its_processes(model, baseline, record_property):
+    store = ExpertStore.open(model)
+    budget = _budget(store, baseline, per_layer=3)
     experts = store.slot_bytes * store.experts_per_layer * len(store.sparse_layers)
-    assert experts >= 4 * budget
     with start_test_system(model, memory_budget=budget, kv_reserve_bytes=KV_RESERVE, run_config=STRICT) as system:
-        with FootprintProbe(system, dense_bytes=store.dense_bytes) as probe:
+        health = system.health()
+        # the supervisor's plan bounded the slab by the dense weights only; sized, it holds what is left
+        assert system.plan.slots_per_layer > 3 * 4
+        assert (
+            health.slots_per_layer
+            == plan_after_baseline(
+                system.plan,
+                baseline_bytes=health.baseline_bytes,
+                kv_reserve_bytes=KV_RESERVE,
+                compiler_bytes=health.compiler_bytes,
+            ).slots_per_layer
+        )
+        # 3 per layer, plus what the baseline's margin leaves when the processes are as measured before
+        assert 3 <= health.slots_per_layer <= 3 + BASELINE_MARGIN // (store.slot_bytes * 4) + 1
+        pids = tuple(system.pids.values())
+        with FootprintWatch(None, f"/dev/shm{system.slab_name}", pids=pids, interval_s=0.01) as watch:
             done = run_job(system, max_tokens=32, return_logprobs=False).done
-        slab = slab_resident(system)
-    return dict(store=store, budget=budget, experts=experts, done=done, probe=probe, slab=slab)
-
-
-def test_a_model_with_experts_4x_the_budget_stays_within_it(calibration, record_property):
-    stats, probe, budget = calibration["done"].stats, calibration["probe"], calibration["budget"]
+    stats = done.stats
     assert stats.misses > 0 and stats.generated_tokens > 0 and stats.pressure_evictions == 0
-    # what the test measured itself, every 10 ms during the job, and what the coordinator sampled
-    assert probe.samples > 10 and probe.peak <= budget, (probe.peak, budget)
+    assert experts >= 4 * _slab_bytes(store, health.slots_per_layer)  # the slab holds a small part of them
+    # measured from outside: every process's PSS, the slab once; and what the coordinator sampled
+    assert watch.samples > 10 and watch.peak <= budget, (watch.describe(), budget)
     assert stats.peak_footprint_bytes <= budget and stats.budget_bytes == budget
-    assert calibration["slab"] <= calibration["store"].slot_bytes * (2 + 4 * 2)  # the plan's slab, no more
-    figures = dict(
-        experts=calibration["experts"],
-        budget=budget,
-        probe_peak=probe.peak,
-        coordinator_peak=stats.peak_footprint_bytes,
-        overhead=stats.overhead_bytes,
-    )
+    assert stats.footprint_bytes == stats.processes_bytes + stats.slab_bytes
+    assert stats.baseline_bytes == health.baseline_bytes
+    assert stats.slab_bytes <= store.slot_bytes * (store.top_k + 4 * health.slots_per_layer)
+    figures = dict(budget=budget, baseline=baseline, watch_peak=watch.peak, coordinator_peak=stats.peak_footprint_bytes)
     record_property("figures", figures)
-    log.info("footprint figures: %s", figures)
+    log.info("footprint figures: %s (%s)", figures, watch.describe())
+
+
+def test_a_budget_the_processes_fill_is_refused_naming_them(model, baseline):
+    store = ExpertStore.open(model)
+    budget = baseline // 2  # above the dense weights and the slab's floor: the supervisor's plan accepts it
+    with pytest.raises(LaunchError) as caught:
+        start_test_system(model, memory_budget=budget, kv_reserve_bytes=KV_RESERVE)
+    message = str(caught.value)
+    assert f"memory budget {budget} bytes cannot serve: the started processes use" in message
+    assert "gpu_worker" in message and "coordinator" in message and "io_worker_0" in message
+    assert store.dense_bytes + KV_RESERVE + _slab_bytes(store, 1) < budget
 
 
 def test_pressure_above_the_budget_is_corrected_by_evicting(model, calibration, caplog, record_property):
     caplog.set_level(logging.INFO)
-    store, done = calibration["store"], calibration["done"]
-    growth = done.stats.footprint_bytes - store.dense_bytes - calibration["slab"]
+    store = ExpertStore.open(model)
     per_layer = 8
-    budget = _budget(store, per_layer)
-    full = store.dense_bytes + growth + (store.top_k + len(store.sparse_layers) * per_layer) * store.slot_bytes
+    budget = _budget(store, calibration["baseline"], per_layer)
+    full = calibration["after_job"] + _slab_bytes(store, per_layer)
     evictable = len(store.sparse_layers) * (per_layer - 1) * store.slot_bytes
-    offset = max(0, budget - full) + evictable // 2  # half of what can be evicted must go
+    offset = max(0, budget - full) + evictable // 2  # about half of what can be evicted must go
     with start_test_system(
         model,
         memory_budget=budget,
@@ -231,9 +356,9 @@ def test_pressure_above_the_budget_is_corrected_by_evicting(model, calibration, 
     log.info("pressure figures: %s", figures)
 
 
-def test_pressure_that_cannot_be_corrected_fails_the_job(model, calibration):
-    store = calibration["store"]
-    budget = _budget(store, per_layer=2)
+def test_pressure_that_cannot_be_corrected_fails_the_job(model, baseline):
+    store = ExpertStore.open(model)
+    budget = _budget(store, baseline, per_layer=2)
     with (
         start_test_system(
             model,

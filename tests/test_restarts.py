@@ -19,6 +19,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -225,6 +227,20 @@ def test_a_gpu_worker_killed_mid_job_fails_it_clearly_and_the_next_job_succeeds(
     replacement = launched.child_pid("-m gpuworker")
     assert replacement != launched.pids["gpu_worker"]
     assert "restarting GPU worker" in launched.stderr()
+    # health and stats tell who serves now: the replacement's pid, restarted once; the others as launched
+    with Client(launched.endpoint, timeout=30) as client:
+        health, stats = client.health(), client.stats()
+    table = {p.name: (p.pid, p.restarts) for p in health.processes}
+    assert table == {name: (pid, 0) for name, pid in launched.pids.items()} | {"gpu_worker": (replacement, 1)}
+    assert stats.processes == health.processes
+    shown = subprocess.run(
+        [sys.executable, "scripts/send.py", "--endpoint", launched.endpoint, "--health"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert f"gpu_worker     pid {replacement:<8} restarts 1" in shown.stdout
     assert launched.signal(signal.SIGTERM) == 0
     assert_all_gone(launched, [*launched.pids.values(), replacement])
 

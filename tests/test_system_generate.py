@@ -46,6 +46,7 @@ from supervisor.system import start_system
 from tests.helpers.models import FAMILIES, write_tiny_model
 from tests.helpers.oracle import oracle, relative_difference
 from tests.helpers.system import (
+    PROCESS_ALLOWANCE,
     PROMPT,
     TEST_KV_RESERVE,
     hook_counts,
@@ -53,6 +54,7 @@ from tests.helpers.system import (
     start_test_system,
     tight_budget,
     wait_for,
+    with_processes,
 )
 
 GENERATED = 32
@@ -138,7 +140,7 @@ def test_generation_equals_mlx_lm(family, quantized, lanes, models, caplog, reco
     assert stats.generated_tokens == len(first.tokens) and stats.prompt_tokens == len(PROMPT)
     assert stats.misses > 0 and stats.evictions > 0 and stats.bytes_read > 0
     assert stats.hits + stats.misses >= len(first.tokens) * len(store.sparse_layers) * store.top_k // 2
-    assert stats.budget_bytes == tight_budget(store) and stats.wrap_path in ("copy", "zero_copy")
+    assert stats.budget_bytes == tight_budget(store) + PROCESS_ALLOWANCE and stats.wrap_path in ("copy", "zero_copy")
     assert second.done.stats.misses > 0 and second.done.stats.evictions > 0
     assert hooks, "the coordinator never reported its test hooks"
     assert hooks["violations"] == 0 and hooks["scribbled"] > 0 and hooks["verified"] > 0 and hooks["restored"] > 0
@@ -225,7 +227,7 @@ def test_every_replacement_policy_is_token_exact(replacement, models, caplog):
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
     budget = tight_budget(store) + (2 + len(store.sparse_layers)) * store.slot_bytes
-    with _start(path, pinned=2, memory_budget=budget, replacement=replacement) as system:
+    with _start(path, pinned=2, **with_processes(store, budget, pinned=2), replacement=replacement) as system:
         assert (system.plan.slots_per_layer, system.plan.pinned_slots) == (2, 2)
         assert system.config.replacement == replacement
         results = [run_job(system, max_tokens=GENERATED) for _ in range(2)]
@@ -240,7 +242,11 @@ def test_stop_removes_everything_and_the_config_is_complete(models, tmp_path):
     usage = tmp_path / "usage.coli"
     # two pinned experts (preloaded at startup) on top of the tight budget; a usage ledger
     with _start(
-        path, test_hooks=(), pinned=2, usage_file=usage, memory_budget=tight_budget(store) + 2 * store.slot_bytes
+        path,
+        test_hooks=(),
+        pinned=2,
+        usage_file=usage,
+        **with_processes(store, tight_budget(store) + 2 * store.slot_bytes, pinned=2),
     ) as system:
         run_dir, slab = system.run_dir, system.slab_name
         assert (os.stat(run_dir).st_mode & 0o777) == 0o700

@@ -17,7 +17,15 @@ import pytest
 from shared.store import ExpertStore
 from tests.helpers.models import FAMILIES, write_tiny_model
 from tests.helpers.oracle import oracle
-from tests.helpers.system import PROMPT, TEST_KV_RESERVE, hook_counts, run_job, start_test_system, wait_for
+from tests.helpers.system import (
+    PROMPT,
+    TEST_KV_RESERVE,
+    hook_counts,
+    run_job,
+    start_test_system,
+    wait_for,
+    with_processes,
+)
 
 GENERATED = 24
 HOOKS = ("scribble_fenced", "verify_fenced")
@@ -36,7 +44,7 @@ def test_prefetch_on_is_token_exact_and_accounted(family, tmp_path, caplog):
     path = write_tiny_model(tmp_path / family, family=family)
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
-    with start_test_system(path, memory_budget=_budget(store), prefetch="on", test_hooks=HOOKS) as system:
+    with start_test_system(path, **with_processes(store, _budget(store)), prefetch="on", test_hooks=HOOKS) as system:
         first = run_job(system, max_tokens=GENERATED, return_logprobs=False)
         second = run_job(system, max_tokens=GENERATED, return_logprobs=False)
         hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
@@ -57,7 +65,7 @@ def test_prefetch_off_predicts_and_reads_nothing(tmp_path):
     path = write_tiny_model(tmp_path / "m", family=FAMILIES[0])
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
-    with start_test_system(path, memory_budget=_budget(store), prefetch="off") as system:
+    with start_test_system(path, **with_processes(store, _budget(store)), prefetch="off") as system:
         result = run_job(system, max_tokens=GENERATED, return_logprobs=False)
     assert result.tokens == want.tokens[: len(result.tokens)]
     stats = result.done.stats
@@ -85,7 +93,7 @@ def test_auto_times_its_decode_steps_without_prefetch_in_alternate_epochs(tmp_pa
     store = ExpertStore.open(path)
     tokens = 3 * EPOCH_STEPS + 4  # one-token forwards: warm-up and an epoch on, one off, a few on
     want = oracle(path, PROMPT, tokens)
-    with start_test_system(path, memory_budget=_budget(store)) as system:  # prefetch: auto, the default
+    with start_test_system(path, **with_processes(store, _budget(store))) as system:  # prefetch: auto, the default
         result = run_job(system, max_tokens=tokens, return_logprobs=False)
     assert result.tokens == want.tokens[:tokens] and len(result.tokens) == tokens
     stats = result.done.stats

@@ -29,7 +29,7 @@ from shared.pins import plan_expert_auto_pins
 from shared.store import ExpertStore
 from shared.usage_profile import default_usage_file, model_fingerprint
 from tests.helpers.models import write_tiny_model
-from tests.helpers.system import PROMPT, TEST_KV_RESERVE, run_job, start_test_system, wait_for
+from tests.helpers.system import PROMPT, TEST_KV_RESERVE, run_job, start_test_system, wait_for, with_processes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _run(model, usage, *, pinned=(), run_config=None, **options):
     store = ExpertStore.open(model)
     return start_test_system(
         model,
-        memory_budget=_budget(store),
+        **with_processes(store, _budget(store), working_slots=WORKING, pinned=len(pinned)),
         working_slots=WORKING,
         pinned=pinned,
         usage_file=usage,

@@ -42,7 +42,9 @@ _COMMON = {
     "hidden_size": 64,
     "num_attention_heads": 4,
     "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 2048,
+    # Long enough for the system tests' jobs that run until cancelled (max_tokens 100_000): the
+    # front door refuses a prompt plus max_tokens beyond the context (coordinator/job_limits.py).
+    "max_position_embeddings": 131072,
     "tie_word_embeddings": False,
     "eos_token_id": EOS_TOKEN_ID,
     "bos_token_id": None,

@@ -35,7 +35,7 @@ from shared.store import ExpertStore
 from supervisor.rundir import clean_stale_runs
 from tests.helpers.models import write_tiny_model
 from tests.helpers.oracle import oracle
-from tests.helpers.system import PROMPT, TEST_KV_RESERVE, io_mode_for, tight_budget, wait_for
+from tests.helpers.system import PROCESS_ALLOWANCE, PROMPT, TEST_KV_RESERVE, io_mode_for, tight_budget, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "scripts" / "launch.py"
@@ -130,13 +130,14 @@ def supervisor_env(tmp_path: Path) -> dict[str, str]:
 
 
 def model_args(model: Path, *, budget: int | None = None) -> list[str]:
-    """The tight plan: top_k working slots, one resident slot per sparse layer, 1 MiB KV reserve."""
+    """The tight plan: top_k working slots, one resident slot per sparse layer, 1 MiB KV reserve; the
+    budget has room for the processes (PROCESS_ALLOWANCE) unless `budget` is given."""
     store = ExpertStore.open(model)
     return [
         "--model",
         str(model),
         "--memory-budget",
-        str(budget if budget is not None else tight_budget(store)),
+        str(budget if budget is not None else tight_budget(store) + PROCESS_ALLOWANCE),
         "--kv-reserve",
         str(TEST_KV_RESERVE),
         "--working-slots",

@@ -8,8 +8,13 @@ modes they reason about are the same everywhere.
 - `tight_budget(store, kv_reserve)`: the smallest budget the plan accepts with a working bank
   of top_k and one resident slot per sparse layer, so every token misses and evicts.
 - `all_resident_budget(store, kv_reserve)`: a working bank of top_k and every expert resident.
+- `PROCESS_ALLOWANCE`, `with_processes(store, budget)`: the budget covers the whole system
+  (coordinator/footprint.py), so a test that reasons about a plan (dense + KV reserve + slots)
+  gives the processes this much more, with the plan's slots per layer as a cap so the plan stays
+  the one it reasons about.
 - `start_test_system(model_dir, *, budget="all_resident", **options)`: `supervisor.system.start_system`
-  with those defaults; any option (`run_config` for the coordinator's knobs) overrides them.
+  with those defaults (a named budget gets the process allowance); any option (`run_config` for the
+  coordinator's knobs) overrides them; an explicit `memory_budget` is taken as it is.
 - `run_job(system, ...)`: one job through the real client; its token events and `Done`.
 - `hook_counts(records)`: the coordinator's "test hooks after job" log line, parsed.
 - `wait_for(predicate)`: poll until something is true, or time runs out.
@@ -29,6 +34,7 @@ import numpy as np
 from shared.client import Client, token_logprobs
 from shared.job_messages import Done, TokenEvent
 from shared.store import ExpertStore
+from supervisor.budget import PROCESS_ALLOWANCE_BYTES, plan_budget
 from supervisor.system import RunningSystem, start_system
 
 PROMPT = tuple(b"The quick brown fox jumps over the lazy dog, again and again.")
@@ -70,6 +76,28 @@ def all_resident_budget(store: ExpertStore, kv_reserve: int = TEST_KV_RESERVE) -
 
 
 BUDGETS = {"all_resident": all_resident_budget, "tight": tight_budget}
+# What the system's processes may use beyond a plan's dense + KV + slab bytes (in-process systems:
+# coordinator, I/O workers, GPU worker ~200 MiB; launched ones add the supervisor ~30 MiB).
+PROCESS_ALLOWANCE = PROCESS_ALLOWANCE_BYTES
+
+
+def with_processes(
+    store: ExpertStore,
+    budget: int,
+    *,
+    working_slots: int | None = None,
+    pinned: int = 0,
+    kv_reserve: int = TEST_KV_RESERVE,
+) -> dict[str, int]:
+    """`start_system` options for the plan `budget` would give on its own, with room for the processes."""
+    plan = plan_budget(
+        store,
+        memory_budget=budget,
+        kv_reserve_bytes=kv_reserve,
+        working_slots=store.top_k if working_slots is None else working_slots,
+        pinned=pinned,
+    )
+    return dict(memory_budget=budget + PROCESS_ALLOWANCE, slots_per_layer=plan.slots_per_layer)
 
 
 def start_test_system(model_dir: str | os.PathLike[str], *, budget: str = "all_resident", **options) -> RunningSystem:
@@ -79,7 +107,7 @@ def start_test_system(model_dir: str | os.PathLike[str], *, budget: str = "all_r
     store = ExpertStore.open(model_dir)
     defaults = dict(
         model_dir=model_dir,
-        memory_budget=BUDGETS[budget](store),
+        **with_processes(store, BUDGETS[budget](store)),
         working_slots=store.top_k,
         kv_reserve_bytes=TEST_KV_RESERVE,
         io_mode=io_mode_for(model_dir),
