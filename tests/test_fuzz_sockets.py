@@ -216,6 +216,13 @@ def _first_op(message: list[bytes]) -> object:
     return value if isinstance(value, dict) else None
 
 
+def _assert_serves_on(system, pids: dict[str, int], before: list[int], child_log) -> None:
+    """After the fuzzing: the same processes, alive, the same answer, and no failure logged."""
+    assert system.pids == pids and all(_alive(pid) for pid in pids.values()), system.dead_children()
+    assert run_job(system, max_tokens=8, return_logprobs=False).tokens == before
+    assert not child_log.failures, child_log.failures[:5]
+
+
 # ------------------------------------------------------------------------ the job front door
 
 
@@ -251,9 +258,7 @@ def test_fuzzed_client_frames_get_errors_and_the_door_serves_on(system, child_lo
     finally:
         sock.close(linger=0)
         context.term()
-    assert system.pids == pids and all(_alive(pid) for pid in pids.values()), system.dead_children()
-    assert run_job(system, max_tokens=8, return_logprobs=False).tokens == before
-    assert not child_log.failures, child_log.failures[:5]
+    _assert_serves_on(system, pids, before, child_log)
     # The examples reached every stage of the door: decoding, validation, and the queue.
     assert {"bad_message", "unknown_op", "bad_field", "bad_request", "token"} <= set(seen), sorted(set(seen))
 
@@ -302,9 +307,7 @@ def test_a_rogue_gpu_peer_gets_errors_and_the_real_worker_serves_on(system, chil
     finally:
         sock.close(linger=0)
         context.term()
-    assert system.pids == pids and all(_alive(pid) for pid in pids.values()), system.dead_children()
-    assert run_job(system, max_tokens=8, return_logprobs=False).tokens == before
-    assert not child_log.failures, child_log.failures[:5]
+    _assert_serves_on(system, pids, before, child_log)
     # bad_request: a well-formed message from a peer that never said hello (or a hello refused).
     assert {"bad_frame", "bad_message", "unknown_op", "bad_field", "bad_request"} <= set(seen), sorted(set(seen))
 
