@@ -1,4 +1,5 @@
-"""Build the native cache-bypassing reader as part of `pip install -e .`.
+"""Build the native code as part of `pip install -e .`: the cache-bypassing reader and the
+lease words (atomics on the shared residency map).
 
 There is deliberately no pure-Python fallback: without a C compiler the
 install fails here, loudly, rather than at the first expert load.
@@ -14,6 +15,12 @@ setup(
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
             libraries=["pthread"],
             optional=False,
-        )
+        ),
+        Extension(
+            "native._leasewords",
+            sources=["native/leasewords.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
+            optional=False,
+        ),
     ]
 )

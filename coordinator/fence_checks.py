@@ -13,6 +13,12 @@ run configuration's `test_hooks`:
   fenced release it is hashed again and compared. A difference means someone
   wrote a leased slot (or a restore went wrong).
 
+On the shared lease path (`shared.lease_words`) a published slot is leased
+again without the coordinator, so nothing could restore it: `scribble_fenced`
+then scribbles a slot when it is withdrawn (discarded: no reader is in it and
+none can enter), and `verify_fenced` also compares the hash there, so a slot
+written while it was published shows.
+
 A mismatch is logged and counted in `violations` / `messages`; the job front
 door fails the job that saw one. Everything else passes straight through to
 the wrapped backend, so the production code paths are the same ones.
@@ -41,11 +47,14 @@ def _digest(view: memoryview) -> bytes:
 class FenceCheckedBackend:
     """Wraps an ExpertResidencyBackend (e.g. IOWorkerBackend) with the fence checks the run asks for."""
 
-    def __init__(self, inner: object, *, slab: Slab, scribble: bool = False, verify: bool = False) -> None:
+    def __init__(
+        self, inner: object, *, slab: Slab, scribble: bool = False, verify: bool = False, shared_path: bool = False
+    ) -> None:
         self._inner = inner
         self._slab = slab
         self.scribble = scribble
         self.verify = verify
+        self.shared_path = shared_path  # scribble at withdrawal, not at the fence
         self._saved: dict[int, tuple[int, bytes]] = {}  # slot -> (generation, real bytes)
         self._hashes: dict[int, tuple[int, bytes]] = {}  # slot -> (generation, hash at load completion)
         self.violations = 0
@@ -100,21 +109,34 @@ class FenceCheckedBackend:
             else:
                 self.verified += 1
         self._inner.release_gpu_fenced(slot, generation)
-        if self.scribble:
-            view = self._slab.slot_view(slot)
-            try:
-                self._saved[slot] = (generation, bytes(view))
-                view[:] = bytes([SCRIBBLE]) * len(view)
-            finally:
-                view.release()
-            self.scribbles += 1
+        if self.scribble and not self.shared_path:
+            self._saved[slot] = (generation, self._scribble(slot))
 
     def discard(self, slot: int, generation: int) -> None:
+        loaded = self._hashes.get(slot)
+        if self.verify and self.shared_path and loaded is not None and loaded[0] == generation:
+            if self._hash(slot) != loaded[1]:
+                self._violation(f"slot {slot} generation {generation} changed while it was published")
+            else:
+                self.verified += 1
         self._inner.discard(slot, generation)
+        if self.scribble and self.shared_path:
+            self._scribble(slot)
         self._saved.pop(slot, None)
         self._hashes.pop(slot, None)
 
     # ------------------------------------------------------------ helpers
+
+    def _scribble(self, slot: int) -> bytes:
+        """Overwrite the slot with SCRIBBLE; its bytes before."""
+        view = self._slab.slot_view(slot)
+        try:
+            before = bytes(view)
+            view[:] = bytes([SCRIBBLE]) * len(view)
+        finally:
+            view.release()
+        self.scribbles += 1
+        return before
 
     def _hash(self, slot: int) -> bytes:
         view = self._slab.slot_view(slot)
@@ -136,7 +158,26 @@ class FenceCheckedBackend:
         logger.error("test hook violation: %s", message)
 
 
-def with_fence_checks(backend: object, hooks: Iterable[str], *, slab: Slab) -> object:
+def hook_report(backend: object, job_id: int, *, since: int) -> str | None:
+    """After a job: log the hooks' counts (tests read the line); the violations after the first
+    `since`, as the job's problem (None: none, or no hooks)."""
+    if not isinstance(backend, FenceCheckedBackend):
+        return None
+    logger.info(
+        "test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
+        job_id,
+        backend.scribbles,
+        backend.restores,
+        backend.verified,
+        backend.violations,
+    )
+    violations = backend.violations - since
+    if not violations:
+        return None
+    return f"{violations} test hook violation(s): " + "; ".join(backend.messages[-violations:][:5])
+
+
+def with_fence_checks(backend: object, hooks: Iterable[str], *, slab: Slab, shared_path: bool = False) -> object:
     """`backend` itself when no hook is asked for, else a FenceCheckedBackend around it."""
     names = tuple(hooks)
     unknown = [name for name in names if name not in TEST_HOOKS]
@@ -145,7 +186,13 @@ def with_fence_checks(backend: object, hooks: Iterable[str], *, slab: Slab) -> o
     if not names:
         return backend
     logger.warning("test hooks enabled: %s (never use them in a normal run)", ", ".join(names))
-    return FenceCheckedBackend(backend, slab=slab, scribble="scribble_fenced" in names, verify="verify_fenced" in names)
+    return FenceCheckedBackend(
+        backend,
+        slab=slab,
+        scribble="scribble_fenced" in names,
+        verify="verify_fenced" in names,
+        shared_path=shared_path,
+    )
 
 
-__all__ = ["SCRIBBLE", "FenceCheckedBackend", "with_fence_checks"]
+__all__ = ["SCRIBBLE", "FenceCheckedBackend", "hook_report", "with_fence_checks"]

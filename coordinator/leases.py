@@ -20,7 +20,7 @@ import numpy as np
 
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ExpertBatchLease
-from shared.gpu_messages import Fence, Fenced, Lease, Prefetch, Routes
+from shared.gpu_messages import Fence, Fenced, Lease, Prefetch, Routes, Visited
 from shared.protocol import BAD_REQUEST, INTERNAL, ErrorReply
 from shared.waves import ExpertUnionWave, build_expert_batch_union
 
@@ -35,6 +35,7 @@ class LeaseServiceStats:
 
     visits: int = 0
     all_resident_visits: int = 0  # visits whose every expert was already resident
+    shared_visits: int = 0  # visits the worker leased itself through the lease words (no round trip)
     waves: int = 0
     abandoned_waves: int = 0  # waves of a visit the worker ended before leasing them
     hits: int = 0
@@ -74,6 +75,7 @@ class _Held:
 class _Counts:
     visits: int = 0
     all_resident_visits: int = 0
+    shared_visits: int = 0
     waves: int = 0
     abandoned_waves: int = 0
     refused: int = 0
@@ -121,13 +123,16 @@ class LeaseService:
 
     # -------------------------------------------------------------- requests
 
-    async def handle(self, message: Routes | Fence) -> Lease | Fenced | ErrorReply:
-        """The reply to one `routes` or `fence`; never raises for bad input."""
+    async def handle(self, message: Routes | Fence | Visited) -> Lease | Fenced | ErrorReply | None:
+        """The reply to one `routes`, `fence` or `visited` (None: a `visited` that owes none);
+        never raises for bad input."""
         try:
             if isinstance(message, Routes):
                 return await self._routes(message)
             if isinstance(message, Fence):
                 return await self._fence(message)
+            if isinstance(message, Visited):
+                return await self.visited(message)
             raise _refuse(f"the lease service takes routes and fence, not {type(message).__name__}")
         except LeaseRefused as refusal:
             self._counts.refused += 1
@@ -138,8 +143,7 @@ class LeaseService:
             logger.exception("%s failed", getattr(message, "OP", "?"))
             return ErrorReply(code=INTERNAL, message=f"{getattr(message, 'OP', '?')} failed: {error!r}")
 
-    async def _routes(self, message: Routes) -> Lease:
-        layer, routes = message.layer, message.routes.array
+    def _check_routes(self, layer: int, routes: np.ndarray) -> None:
         if layer not in self._sparse:
             raise _refuse(f"routes for layer {layer}: not a sparse layer; sparse layers are {sorted(self._sparse)}")
         if routes.size == 0:
@@ -152,39 +156,89 @@ class LeaseService:
                 f"routes for layer {layer}: row {row} rank {rank} names expert {top}; "
                 f"the layer has experts 0..{self._experts - 1}"
             )
-        self._check_prefetch(message)
+
+    def _check_fence(self, what: str, fence: int | None) -> _Held | None:
+        """The held lease a message's piggybacked `fence` ends (None: none may be held)."""
         held = self._held
-        if message.fence is not None:
-            if held is None or held.lease_id != message.fence:
-                raise _refuse(
-                    f"routes for layer {layer} piggyback fence of lease {message.fence}, but {self._describe_held()}"
-                )
+        if fence is not None:
+            if held is None or held.lease_id != fence:
+                raise _refuse(f"{what} piggyback fence of lease {fence}, but {self._describe_held()}")
         elif held is not None:
             raise _refuse(
-                f"routes for layer {layer} while lease {held.lease_id} (layer {held.visit.layer} "
+                f"{what} while lease {held.lease_id} (layer {held.visit.layer} "
                 f"wave {held.wave}) is still held; fence it first"
             )
         if held is None and self._manager.active:  # a wave active without a lease: an internal failure
             raise _refuse("the residency manager still has an active wave", INTERNAL)
+        return held
 
-        # Validated: from here on the request is served (or fails for a reason that is not its own).
-        if held is not None:
-            self._release(held, ended=True)
+    def _open_visit(self, layer: int, routes: np.ndarray, experts: list[int]) -> None:
+        """What every visit tells the policy before its experts are leased: its selections (the
+        ledger), the decode step it belongs to, the prefetches it makes moot, its prediction's score."""
         if not self._step:  # a forward step's first layer: auto's trial times decode steps
             if routes.shape[0] == 1:
                 self._manager.prefetch_book.decode_step(time.perf_counter())
             else:
                 self._manager.prefetch_book.not_decoding()
         self._manager.record_routes(layer, routes)  # every selection, before dedup
-        visit = _Visit(layer, build_expert_batch_union(routes, self._working))
         # The layer is visited now: its prefetch reads for experts it does not route to can stop.
-        self._manager.cancel_prefetch(layer, [expert for wave in visit.waves for expert in wave.expert_ids])
+        self._manager.cancel_prefetch(layer, experts)
         self._counts.visits += 1
         self._step.add(layer)
         predicted = self._predicted.pop(layer, None)
         if predicted is not None and routes.shape[0] == 1:  # how good was the prediction (decode steps)
             routed = set(routes.reshape(-1).tolist())
             self._manager.prefetch_book.scored(len(routed & predicted), len(routed))
+
+    async def visited(self, message: Visited) -> Fenced | None:
+        """Decode visits the worker leased itself (the lease words): each is recorded as its
+        `routes` and all-hit lease would have been, in order, after the fence it carries; their
+        predictions are started as a `routes`' are. Checked whole before anything changes: a
+        refused one raises `LeaseRefused` (the caller logs it: no reply is owed unless it fences)."""
+        what = f"visited of layers {list(message.layers)[:8]}"
+        routes = message.routes.array if message.routes is not None else np.zeros((0, 0), dtype=np.int32)
+        if routes.shape[0] != len(message.layers):
+            raise _refuse(f"{what}: {routes.shape[0]} route rows for {len(message.layers)} visits")
+        for index, layer in enumerate(message.layers):
+            self._check_routes(layer, routes[index : index + 1])
+        for prediction in message.predictions:
+            if not 0 <= prediction.visit < len(message.layers):
+                raise _refuse(f"{what}: a prediction names visit {prediction.visit} of {len(message.layers)}")
+            self._check_prediction(what, prediction.layer, message.layers[prediction.visit], prediction.experts)
+        held = self._check_fence(what, message.fence)
+
+        if held is not None:
+            self._release(held, ended=True)
+        predictions = {prediction.visit: prediction for prediction in message.predictions}
+        for index, layer in enumerate(message.layers):
+            row = routes[index : index + 1]
+            experts = list(dict.fromkeys(row.reshape(-1).tolist()))  # unique, in rank order
+            self._open_visit(layer, row, experts)
+            self._counts.all_resident_visits += 1
+            self._counts.shared_visits += 1
+            self._manager.record_hits(layer, experts)
+            prediction = predictions.get(index)
+            if prediction is not None and prediction.layer not in self._step:
+                self._predicted[prediction.layer] = frozenset(prediction.experts)
+                try:
+                    self._manager.prefetch(prediction.layer, prediction.experts)
+                except Exception:
+                    logger.exception("prefetch for layer %d failed", prediction.layer)
+        if message.end_step:
+            self._step.clear()
+        return None if message.fence is None else Fenced(lease_id=message.fence)
+
+    async def _routes(self, message: Routes) -> Lease:
+        layer, routes = message.layer, message.routes.array
+        self._check_routes(layer, routes)
+        self._check_prefetch(message)
+        held = self._check_fence(f"routes for layer {layer}", message.fence)
+
+        # Validated: from here on the request is served (or fails for a reason that is not its own).
+        if held is not None:
+            self._release(held, ended=True)
+        visit = _Visit(layer, build_expert_batch_union(routes, self._working))
+        self._open_visit(layer, routes, [expert for wave in visit.waves for expert in wave.expert_ids])
         return await self._acquire(visit, 0)
 
     def prefetch(self, message: Routes | Prefetch) -> int:
@@ -252,6 +306,7 @@ class LeaseService:
     # ------------------------------------------------------------- lifecycle
 
     def release_for_lost_worker(self, reason: str) -> int | None:
+        # (the lease words' reader counts are reset by the caller: `LeasePublisher.reader_lost`)
         """The GPU worker process is gone: nothing reads its slots any more; release its lease."""
         held = self._held
         if held is None:
@@ -288,6 +343,7 @@ class LeaseService:
         stats = LeaseServiceStats(
             visits=counts.visits,
             all_resident_visits=counts.all_resident_visits,
+            shared_visits=counts.shared_visits,
             waves=counts.waves,
             abandoned_waves=counts.abandoned_waves,
             hits=telemetry.hits,

@@ -66,7 +66,12 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
     tasks: list[asyncio.Task] = []
     code = EXIT_OK
     try:
-        slab = Slab.attach(config.slab.name, total_slots=config.slab.total_slots, slot_bytes=config.slab.slot_bytes)
+        slab = Slab.attach(
+            config.slab.name,
+            total_slots=config.slab.total_slots,
+            slot_bytes=config.slab.slot_bytes,
+            tail_bytes=config.slab.tail_bytes,
+        )
         store = ExpertStore.open(config.model_dir, block_size=config.block_size)
         _check(config, store)
         if config.usage_file:

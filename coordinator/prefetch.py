@@ -55,6 +55,16 @@ def prefetch_count(mode: str, top_k: int, margin: int | None) -> int:
     return min(MAX_PREFETCH, top_k + (-(-top_k // 4) if margin is None else margin))
 
 
+def welcome_prefetch(config, store) -> int:
+    """How many experts the GPU worker predicts per layer (its welcome says): none when `auto` finds
+    every expert resident (every layer's slots hold all its experts: a prediction could only cost)."""
+    plan, mode = config.plan, config.prefetch
+    if mode == "auto" and plan.slots_per_layer >= store.experts_per_layer:
+        logger.info("prefetch off: every expert of every layer fits its layer's slots")
+        return 0
+    return prefetch_count(mode, store.top_k, config.prefetch_margin)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefetchTelemetry:
     """What prefetch did over a period (a job, or the run)."""
@@ -214,4 +224,5 @@ __all__ = [
     "PrefetchMode",
     "PrefetchTelemetry",
     "prefetch_count",
+    "welcome_prefetch",
 ]

@@ -111,6 +111,11 @@ class ResidencyCore:
         while len(self._slots) < plan.total_slots:
             self._table.new_slot("pinned", None)
 
+    @property
+    def slot_table(self) -> SlotTable:
+        """The slot records and lookup (what `coordinator.lease_publisher` publishes)."""
+        return self._table
+
     # -- the demand path ---------------------------------------------------
 
     async def acquire_block(

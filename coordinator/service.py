@@ -24,15 +24,16 @@ import zmq
 import zmq.asyncio
 
 from coordinator.backend import IOWorkerBackend
-from coordinator.fence_checks import FenceCheckedBackend, with_fence_checks
+from coordinator.fence_checks import FenceCheckedBackend, hook_report, with_fence_checks
 from coordinator.footprint import FootprintMeter
 from coordinator.gpu_session import GpuSession, alive
 from coordinator.jobs import FrontDoorLimits, JobFrontDoor
+from coordinator.lease_publisher import LeasePublisher, PublishingBackend, lease_words_for
 from coordinator.leases import LeaseService
 from coordinator.liveness import GpuProgress, ProgressDeadline, kill_hung
 from coordinator.memory_budget import SlabSizing, measured_processes, system_roles
 from coordinator.metered_backend import LoadTimer, MeteredBackend
-from coordinator.prefetch import PrefetchBook, prefetch_count
+from coordinator.prefetch import PrefetchBook, welcome_prefetch
 from coordinator.residency import ExpertResidencyManager
 from coordinator.safepoint import SafePoints
 from coordinator.stats import JobBook
@@ -52,6 +53,7 @@ from shared.gpu_messages import (
     Prefetch,
     Routes,
     Token,
+    Visited,
 )
 from shared.job_messages import (
     MAX_REQUEST_BYTES,
@@ -63,8 +65,9 @@ from shared.job_messages import (
     JobStats,
     ProcessInfo,
 )
-from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode, encode
+from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode
 from shared.slab import Slab
+from shared.sockets import send_routed
 from shared.store import ExpertStore
 
 logger = logging.getLogger("coordinator")
@@ -100,7 +103,8 @@ class Coordinator:
         self.io, self.gpu_sock, self.jobs_sock = io, gpu_sock, jobs_sock
         self.gpu = GpuSession()
         self.progress = GpuProgress(ProgressDeadline(timeout_s=config.hang_timeout_s))
-        self.fence_checked = with_fence_checks(io, config.test_hooks, slab=slab)
+        words = lease_words_for(config, slab)
+        self.fence_checked = with_fence_checks(io, config.test_hooks, slab=slab, shared_path=words is not None)
         self.timer = LoadTimer()
         if config.test_footprint_offset_bytes:
             logger.warning(
@@ -112,7 +116,9 @@ class Coordinator:
             interval_s=config.footprint_interval_ms / 1e3,
             offset=config.test_footprint_offset_bytes,
         )
-        self.backend = MeteredBackend(self.fence_checked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
+        self.publisher = LeasePublisher(words, claim_timeout_s=config.hang_timeout_s)
+        metered = MeteredBackend(self.fence_checked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
+        self.backend = PublishingBackend(metered, self.publisher)
         self.manager = ExpertResidencyManager(
             plan=config.plan,
             sparse_layer_ids=store.sparse_layers,
@@ -123,6 +129,7 @@ class Coordinator:
             prefetch=PrefetchBook(mode=config.prefetch),  # type: ignore[arg-type]
             replacement=config.replacement,
         )
+        self.publisher.attach(self.manager.slot_table)
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
         self.sizing = SlabSizing(config, self.meter, self.manager)
         self.safepoints = SafePoints(
@@ -155,6 +162,7 @@ class Coordinator:
                 preload.read_bytes,
             )
         self.io_ready = True
+        self.publisher.sync()  # the pinned preload
         logger.info("%d I/O workers ready", self.config.io_workers)
         self._size_slab()
         self.front.poke()
@@ -189,29 +197,41 @@ class Coordinator:
     # ------------------------------------------------------ the GPU worker
 
     async def _gpu_message(self, frames: list[bytes]) -> None:
+        counted = False
+        try:
+            counted = await self._gpu_dispatch(frames)
+        finally:
+            if counted:  # refused or served: the worker counted it as sent
+                self.publisher.processed()
+
+    async def _gpu_dispatch(self, frames: list[bytes]) -> bool:
+        """Handle one frame set; whether it was the worker's message that may change residency."""
         if len(frames) != 2:
             if len(frames) > 2:
-                self._send(
+                send_routed(
                     self.gpu_sock, frames[0], ErrorReply(BAD_REQUEST, f"expected one frame, got {len(frames) - 1}")
                 )
-            return
+            return False
         identity, payload = frames
         try:
             message = decode(payload, COORDINATOR_ACCEPTS_FROM_GPU)
         except ProtocolError as error:
             logger.warning("refused a GPU worker frame: %s", error.message)
-            self._send(self.gpu_sock, identity, ErrorReply(error.code, error.message))
-            return
+            send_routed(self.gpu_sock, identity, ErrorReply(error.code, error.message))
+            return False
         if isinstance(message, GpuHello):
             await self._gpu_hello(identity, message)
-            return
+            return False
         if identity != self.gpu.identity:
-            self._send(
+            send_routed(
                 self.gpu_sock,
                 identity,
                 ErrorReply(BAD_REQUEST, f"{message.OP} before gpu_hello (or from a GPU worker that was replaced)"),
             )
-            return
+            return False
+        counted = isinstance(message, (Routes, Fence, Prefetch)) or (
+            isinstance(message, Visited) and message.fence is not None
+        )
         if isinstance(message, GpuReady):
             self._gpu_ready(identity, message)
         elif isinstance(message, GpuGoodbye):
@@ -219,8 +239,8 @@ class Coordinator:
             self.gpu = replace(self.gpu, ready=False, leaving=message.reason or "goodbye")
         elif isinstance(message, (Routes, Fence)):
             if not self.io_ready:
-                self._send(self.gpu_sock, identity, ErrorReply(NOT_READY, "the I/O workers are not ready yet"))
-                return
+                send_routed(self.gpu_sock, identity, ErrorReply(NOT_READY, "the I/O workers are not ready yet"))
+                return counted
             epoch = self.gpu.epoch
             self.progress.serving = True  # until answered, the worker waits on us, not we on it
             try:
@@ -231,8 +251,8 @@ class Coordinator:
                 self.progress.rows = message.routes.array.shape[0]
             if self.gpu.epoch != epoch:  # the worker was lost while its wave was being loaded
                 self.leases.release_for_lost_worker("lost while its wave was being loaded")
-                return
-            self._send(self.gpu_sock, identity, reply)
+                return counted
+            send_routed(self.gpu_sock, identity, reply)
             if isinstance(message, Routes) and isinstance(reply, Lease):  # demand first, then the prediction
                 self.leases.prefetch(message)
             if isinstance(reply, Fenced):  # the end of a forward step: nothing is leased
@@ -240,12 +260,20 @@ class Coordinator:
         elif isinstance(message, Prefetch):  # no reply, ever: the worker waits for none (a refusal is logged)
             if self.io_ready:
                 self.leases.prefetch(message)
+        elif isinstance(message, Visited):  # answered only when it fences (or is refused)
+            self.progress.at = time.monotonic()
+            reply = await self.leases.handle(message)
+            if reply is not None:
+                send_routed(self.gpu_sock, identity, reply)
+            if message.end_step:  # the end of a forward step: nothing is leased
+                self._safe_point()
         elif isinstance(message, (Token, JobDone, JobError)):
             await self.front.on_gpu(message)
             if isinstance(message, Token):
                 self._safe_point()
         elif isinstance(message, ErrorReply):
             logger.warning("the GPU worker reported %s: %s", message.code, message.message)
+        return counted
 
     async def _gpu_hello(self, identity: bytes, hello: GpuHello) -> None:
         current = self.gpu
@@ -258,25 +286,17 @@ class Coordinator:
                 # Releasing a live worker's lease could let a slot be rewritten under its reads.
                 message = f"GPU worker pid {current.pid} is connected and alive; refusing pid {hello.pid}"
                 logger.warning("%s", message)
-                self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
+                send_routed(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
                 return
             await self._gpu_lost(f"a new GPU worker (pid {hello.pid}) said hello")
         self.gpu = GpuSession(epoch=self.gpu.epoch + 1, identity=identity, pid=hello.pid)
+        self.publisher.reader_lost()  # a new reader: its message count starts at zero
         logger.info("GPU worker pid %d connected", hello.pid)
         self._welcome(identity)
 
-    def _prefetch_count(self) -> int:
-        """How many experts the GPU worker predicts per layer: none when `auto` finds every expert
-        resident (every layer's slots hold all its experts: a prediction could only cost)."""
-        plan, mode = self.config.plan, self.config.prefetch
-        if mode == "auto" and plan.slots_per_layer >= self.store.experts_per_layer:
-            logger.info("prefetch off: every expert of every layer fits its layer's slots")
-            return 0
-        return prefetch_count(mode, self.store.top_k, self.config.prefetch_margin)
-
     def _welcome(self, identity: bytes) -> None:
         plan = self.config.plan
-        self._send(
+        send_routed(
             self.gpu_sock,
             identity,
             GpuWelcome(
@@ -285,7 +305,9 @@ class Coordinator:
                 slot_bytes=plan.slot_bytes,
                 working_slots=plan.working_slots,
                 block_size=self.store.block_size,
-                prefetch=self._prefetch_count(),
+                prefetch=welcome_prefetch(self.config, self.store),
+                lease_layers=self.config.slab.lease_layers if self.publisher.enabled else 0,
+                lease_experts=self.config.slab.lease_experts if self.publisher.enabled else 0,
             ),
         )
 
@@ -296,7 +318,7 @@ class Coordinator:
                 f"{list(self.store.sparse_layers)}"
             )
             logger.error("%s", message)
-            self._send(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
+            send_routed(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
             return
         self.gpu = GpuSession(
             epoch=self.gpu.epoch,
@@ -325,16 +347,17 @@ class Coordinator:
             logger.error("GPU worker lost: %s", reason)
         self.gpu = GpuSession(epoch=self.gpu.epoch + 1)
         self.leases.release_for_lost_worker(reason)
+        self.publisher.reader_lost()  # it was the only reader: nothing reads its slots now
         await self.front.gpu_lost(reason, code=code)
 
     # ------------------------------------------------------ JobHost
 
     def send_client(self, identity: bytes, message: object) -> bool:
-        return self._send(self.jobs_sock, identity, message)
+        return send_routed(self.jobs_sock, identity, message)
 
     def send_gpu(self, message: object) -> bool:
         self.progress.at = time.monotonic()  # a job (or a cancel) gives it work: its clock starts
-        return self.gpu.identity is not None and self._send(self.gpu_sock, self.gpu.identity, message)
+        return self.gpu.identity is not None and send_routed(self.gpu_sock, self.gpu.identity, message)
 
     def ready(self) -> bool:
         return self.io_ready and self.gpu.ready and self.sizing.sized is not None and not self.stopping
@@ -371,28 +394,12 @@ class Coordinator:
             fallback = self._fallback_ops
         fallback_delta, self._fallback_ops = max(0, fallback - self._fallback_ops), fallback
         stats = self.book.end(done, relayed=relayed, wrap_path=self.gpu.wrap_path, io_fallback_ops=fallback_delta)
-        violations = self._hook_violations() - self._violations
-        if isinstance(self.fence_checked, FenceCheckedBackend):
-            checked = self.fence_checked
-            logger.info(
-                "test hooks after job %d: %d scribbled, %d restored, %d verified, %d violations",
-                job_id,
-                checked.scribbles,
-                checked.restores,
-                checked.verified,
-                checked.violations,
-            )
-        problem = None
-        if violations:
-            messages = (
-                self.fence_checked.messages[-violations:] if isinstance(self.fence_checked, FenceCheckedBackend) else []
-            )
-            problem = f"{violations} test hook violation(s): " + "; ".join(messages[:5])
-        return stats, problem
+        return stats, hook_report(self.fence_checked, job_id, since=self._violations)
 
     async def between_jobs(self) -> None:
         if self.leases.held is None and not self.manager.active and not self.stopping:
             await self.safepoints.between_jobs()
+            self.publisher.sync()
 
     def cumulative_stats(self) -> JobStats:
         return self.book.cumulative()
@@ -418,18 +425,6 @@ class Coordinator:
         """The first time every process is ready: the slab gets what the budget leaves after them."""
         if self.io_ready and self.gpu.ready and self.sizing.size(compiler_bytes=self.gpu.compiler_bytes):
             self.front.poke()
-
-    def _send(self, sock: zmq.asyncio.Socket, identity: bytes, message: object) -> bool:
-        try:
-            sent = sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT)  # type: ignore[arg-type]
-        except zmq.ZMQError as error:
-            logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
-            return False
-        error = sent.exception() if sent.done() else None  # DONTWAIT resolves at once
-        if error is not None:
-            logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
-            return False
-        return True
 
     def shutdown(self) -> None:
         """Answer queued and running jobs, ask the I/O workers to exit; the caller closes the sockets."""

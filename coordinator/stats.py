@@ -104,6 +104,7 @@ def job_stats(job: JobFigures) -> JobStats:
         misses=lease.misses,
         hit_rate=lease.hits / served if served else 0.0,
         all_resident=lease.all_resident,
+        shared_leases=lease.shared_visits / lease.visits if lease.visits else 0.0,
         bytes_read=lease.bytes_read,
         disk_p50_ms=nearest_rank(disk, 0.5),
         disk_p99_ms=nearest_rank(disk, 0.99),
@@ -160,6 +161,7 @@ class _Sums:
     misses: int = 0
     visits: int = 0
     all_resident_visits: int = 0
+    shared_visits: int = 0
     bytes_read: int = 0
     hints_submitted: int = 0
     hints_dropped: int = 0
@@ -203,6 +205,7 @@ class RunTotals:
         sums.misses += lease.misses
         sums.visits += lease.visits
         sums.all_resident_visits += lease.all_resident_visits
+        sums.shared_visits += lease.shared_visits
         sums.bytes_read += lease.bytes_read
         if job.hints is not None:
             sums.hints_submitted += job.hints.submitted
@@ -231,6 +234,7 @@ class RunTotals:
             misses=sums.misses,
             hit_rate=sums.hits / served if served else 0.0,
             all_resident=sums.all_resident_visits / sums.visits if sums.visits else 0.0,
+            shared_leases=sums.shared_visits / sums.visits if sums.visits else 0.0,
             bytes_read=sums.bytes_read,
             disk_p50_ms=disk_p50,
             disk_p99_ms=disk_p99,

@@ -20,6 +20,10 @@ the critical path (`exposed_copy_ms`). With `compute_lanes` > 1 the parts
 take turns over that many MLX streams. Every part is copied before the
 wave's fence, like a whole wave.
 
+The shared path (`words`): a decode visit whose experts are all resident
+leases them without a message (`gpuworker.shared_lease`); the slots become
+arrays in `gpuworker.lease_wrap`.
+
 Waiting for replies (and for cancels, jobs and garbage arriving meanwhile)
 is `gpuworker.channel.Channel`'s; what the leases cost is counted in
 `gpuworker.lease_stats`.
@@ -39,9 +43,12 @@ from gpuworker.expert_provider import ExpertProviderError, LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
 from gpuworker.lease_stats import DECODE, END_STEP, PREFILL, LeaseClientStats, LeaseCounters
 from gpuworker.lease_visit import Visit, check_lease, visit_wave
-from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, slot_arrays, stacked_slot_arrays, zero_copy_supported
+from gpuworker.lease_wrap import WaveWrapping
+from gpuworker.shared_lease import SharedLeasing
+from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, zero_copy_supported
 from shared.config import check_compute_lanes
-from shared.gpu_messages import Fence, Fenced, Lease, Prefetch, RouteMatrix, Routes
+from shared.gpu_messages import Fence, Fenced, Lease, Prediction, Prefetch, RouteMatrix, Routes
+from shared.lease_words import LeaseWords
 from shared.waves import wave_partition
 
 __all__ = ["LeaseClient"]
@@ -49,7 +56,7 @@ __all__ = ["LeaseClient"]
 logger = logging.getLogger(__name__)
 
 
-class LeaseClient:
+class LeaseClient(SharedLeasing, WaveWrapping):
     """`ExpertProvider` on the coordinator's lease protocol (see the module docstring)."""
 
     def __init__(
@@ -64,6 +71,7 @@ class LeaseClient:
         reply_timeout_s: float = 60.0,
         zero_copy: bool | None = None,
         compute_lanes: int = 1,
+        words: LeaseWords | None = None,
     ) -> None:
         if working_slots < 1:
             raise ValueError(f"working_slots must be >= 1, got {working_slots}")
@@ -77,6 +85,12 @@ class LeaseClient:
         self.reply_timeout_s = reply_timeout_s
         self.zero_copy = zero_copy
         self._visit: Visit | None = None
+        self.words = words
+        self._sent = 0  # messages sent that may change residency (the coordinator counts them too)
+        self._visited_layers: list[int] = []  # shared-path visits not yet told (`visited`)
+        self._visited_rows: list[np.ndarray] = []
+        self._visited_predictions: list[Prediction] = []
+        self._visited_fence: int | None = None  # a message-path lease fenced before the first of them
         self._unsent: int | None = None  # a lease fenced here, not yet told to the coordinator
         self._unsent_last = False  # ... and it was its visit's last wave (may ride on Routes)
         wraps = zero_copy if zero_copy is not None else zero_copy_supported()
@@ -107,6 +121,7 @@ class LeaseClient:
         """Whether the coordinator may still consider a lease of this worker active."""
         return (
             self._unsent is not None
+            or self._visited_fence is not None
             or bool(self._acks)
             or (self._visit is not None and any(lease is not None for lease in self._visit.leases))
         )
@@ -121,6 +136,10 @@ class LeaseClient:
         if self._visit is not None or (self._unsent is not None and not self._unsent_last):
             # A visit the module left unfinished (it always fences every wave): end it first.
             self.release()
+        if self.words is not None and routes.shape[0] == 1:
+            shared = self._acquire_shared(layer, routes, prefetch)
+            if shared is not None:
+                return shared
         waves = wave_partition(routes, self.working_slots)
         piggyback, self._unsent = self._unsent, None
         visit = Visit(layer, waves, [None] * len(waves), [False] * len(waves), stacked=self._stack_pool is not None)
@@ -128,6 +147,7 @@ class LeaseClient:
         self._phase = DECODE if routes.shape[0] == 1 else PREFILL
         self._bucket = self._stats.bucket(layer, self._phase)
         self._bucket[0] += 1
+        started = time.perf_counter()
         try:
             try:
                 message = (
@@ -145,6 +165,8 @@ class LeaseClient:
             except LeaseError:
                 self._settle(piggyback)
                 raise
+            if self._phase == DECODE:
+                self._stats.visit_waits.append(time.perf_counter() - started)
             parts = (
                 decode_parts(waves[0], lanes=self.compute_lanes)
                 if visit.stacked and routes.shape[0] == 1 and len(waves) == 1
@@ -175,7 +197,7 @@ class LeaseClient:
 
     def prefetch(self, layer: int, experts: tuple[int, ...]) -> None:
         """Send a prediction no `routes` can carry (the first sparse layer's); no reply is owed."""
-        self.channel.send(Prefetch(layer=layer, experts=experts))
+        self._send(Prefetch(layer=layer, experts=experts))
 
     def fence(self, wave: LeasedWave) -> None:
         visit, index = getattr(wave, "visit", None), getattr(wave, "index", None)
@@ -188,6 +210,11 @@ class LeaseClient:
         # A detached wave's outputs may still be computing from pooled buffers: the next copy
         # into the pool waits for them (`_wrap`).
         self._pending.extend(getattr(wave, "outputs", ()))
+        if visit.shared is not None:  # the shared path: count out (if the copy has not already)
+            self._count_out(visit)
+            if self._visit is visit:
+                self._visit = None
+            return
         lease = visit.leases[index]
         if lease is None:
             # Never leased (the module gave up before reaching it): end the visit here.
@@ -217,6 +244,8 @@ class LeaseClient:
             visit = self._visit
             self.release()
             raise LeaseError(f"layer {visit.layer}: forward pass ended with waves not fenced")
+        if self._visited_layers:  # with the step's end, unless a message-path fence must follow
+            self._send_visited(end_step=self._unsent is None)
         if self._unsent is not None:
             self._bucket = self._stats.bucket(END_STEP, self._phase)
         if wait:
@@ -225,7 +254,7 @@ class LeaseClient:
         elif self._unsent is not None:
             lease_id, self._unsent = self._unsent, None
             started = time.perf_counter()
-            self.channel.send(Fence(lease_id=lease_id, next=False))
+            self._send(Fence(lease_id=lease_id, next=False))
             self._acks.add(lease_id)
             elapsed = time.perf_counter() - started
             self._stats.round_trips += 1
@@ -236,6 +265,9 @@ class LeaseClient:
     def release(self) -> None:
         """Error and stop path: tell the coordinator every lease this client still holds."""
         visit, self._visit = self._visit, None
+        if visit is not None and visit.shared is not None:
+            self._count_out(visit)
+            visit = None
         if visit is not None:
             for index, lease in enumerate(visit.leases):
                 if lease is not None and not visit.fenced[index]:
@@ -273,9 +305,18 @@ class LeaseClient:
             self._stats.wait_s += elapsed
             self._stats.bucket(END_STEP, self._phase)[2] += elapsed
 
+    def _send(self, message: object) -> None:
+        """Every message to the coordinator goes here: shared-path visits not yet told go first,
+        and the ones that may change residency are counted (`_sent`)."""
+        if self._visited_layers:
+            self._send_visited(end_step=False)
+        self.channel.send(message)
+        if isinstance(message, (Routes, Fence, Prefetch)):
+            self._sent += 1
+
     def _round_trip(self, message: object, what: str) -> object:
         started = time.perf_counter()
-        self.channel.send(message)
+        self._send(message)
         try:
             reply = self.channel.wait_reply(what, timeout_s=self.reply_timeout_s)
             # The `fenced` of fences sent without waiting come first (the coordinator answers in order).
@@ -348,66 +389,3 @@ class LeaseClient:
             except Exception:
                 logger.exception("fence of refused lease %d failed", lease.lease_id)
             raise
-
-    def _wrap_part(
-        self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease, *, lane: int
-    ) -> dict[str, mx.array]:
-        """Part `index` of a decode wave (for compute lane `lane`), stacked in the part's (rank) order
-        into pool set `index`."""
-        slot_of = dict(zip(lease.experts, lease.slots))
-        if index == 0:  # the previous visit's outputs may still read these sets
-            self._settle_pending()
-        assert self._stack_pool is not None
-        started = time.perf_counter()
-        tensors, wrap = stacked_slot_arrays(
-            self.buffer,
-            [slot_of[e] for e in expert_ids],
-            self.slot_bytes,
-            [self.store.layout(layer, e) for e in expert_ids],
-            self._stack_pool,
-            tag=index,
-        )
-        # Later parts copy while the part before computes: only part 0's copy is exposed.
-        self._stats.count_copy(
-            self._bucket, time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=index == 0
-        )
-        self._stats.lane_parts[lane] += 1
-        return tensors
-
-    def _settle_pending(self) -> None:
-        """Evaluate detached outputs that may still read the pool's buffers, before rewriting them
-        (normally done already: the next layer's input needed them)."""
-        if self._pending:
-            mx.eval(*self._pending)
-            self._pending.clear()
-
-    def _wrap(self, layer: int, expert_ids: tuple[int, ...], lease: Lease):
-        """The wave's tensors: stacked in ascending expert id (copy path: one copy, into the
-        pool), or per expert in `expert_ids` order (zero copy: views of the slots)."""
-        slot_of = dict(zip(lease.experts, lease.slots))
-        self._settle_pending()
-        started = time.perf_counter()
-        if self._stack_pool is not None:
-            ordered = sorted(expert_ids)
-            tensors, wrap = stacked_slot_arrays(
-                self.buffer,
-                [slot_of[e] for e in ordered],
-                self.slot_bytes,
-                [self.store.layout(layer, e) for e in ordered],
-                self._stack_pool,
-            )
-            copied = wrap.bytes_copied
-        else:
-            tensors, copied = [], 0
-            for expert in expert_ids:
-                arrays, wrap = slot_arrays(
-                    self.buffer,
-                    slot_of[expert],
-                    self.slot_bytes,
-                    self.store.layout(layer, expert),
-                    zero_copy=self.zero_copy,
-                )
-                copied += wrap.bytes_copied
-                tensors.append(arrays)
-        self._stats.count_copy(self._bucket, time.perf_counter() - started, copied, wrap.path, exposed=True)
-        return tensors

@@ -34,6 +34,7 @@ class LayerLeaseClientStats:
     hits: int = 0  # of which already resident (the coordinator's count)
     bytes_copied: int = 0
     exposed_copy_ms: float = 0.0  # of copy_ms, what no compute overlapped (all but later decode parts)
+    shared_visits: int = 0  # visits leased through the lease words (no round trip)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,13 @@ class LeaseClientStats:
     layers: tuple[LayerLeaseClientStats, ...] = ()  # per (layer, phase), sorted
     compute_lanes: int = 1  # MLX streams a decode wave's parts ran on (copy path)
     lane_parts: tuple[int, ...] = ()  # decode parts handed out per lane
+    # Decode visits: how long each waited for its lease (a shared lease, or the routes -> lease
+    # round trip), and why a visit of the shared path took messages instead.
+    visit_wait_p50_ms: float = 0.0
+    visit_wait_p99_ms: float = 0.0
+    shared_visits: int = 0
+    shared_misses: int = 0  # an expert was not resident (or a race was lost)
+    shared_behind: int = 0  # the coordinator had not yet processed every message sent
 
 
 @dataclass(slots=True)
@@ -61,14 +69,18 @@ class LeaseCounters:
     bytes_copied: int = 0
     copy_s: float = 0.0
     wrap_path: str = COPY
-    # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied, exposed copy s]
+    # (layer, phase) -> [visits, round trips, wait s, copy s, experts, hits, bytes copied, exposed copy s,
+    #                    shared visits]
     layers: dict[tuple[int, str], list] = field(default_factory=dict)
     lane_parts: list[int] = field(default_factory=list)  # decode parts handed out per compute lane
+    visit_waits: list[float] = field(default_factory=list)  # seconds per decode visit
+    shared_misses: int = 0
+    shared_behind: int = 0
 
     def bucket(self, layer: int, phase: str) -> list:
         found = self.layers.get((layer, phase))
         if found is None:
-            found = self.layers[layer, phase] = [0, 0, 0.0, 0.0, 0, 0, 0, 0.0]
+            found = self.layers[layer, phase] = [0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0]
         return found
 
     def count_copy(self, bucket: list, elapsed: float, copied: int, path: str, *, exposed: bool) -> None:
@@ -84,9 +96,10 @@ class LeaseCounters:
     def snapshot(self, *, compute_lanes: int) -> LeaseClientStats:
         """The totals so far, in milliseconds, buckets sorted by (phase, layer)."""
         layers = tuple(
-            LayerLeaseClientStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3)
+            LayerLeaseClientStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3, c[8])
             for (layer, phase), c in sorted(self.layers.items(), key=lambda item: (item[0][1], item[0][0]))
         )
+        waits = sorted(self.visit_waits)
         return LeaseClientStats(
             self.round_trips,
             self.leases,
@@ -97,4 +110,16 @@ class LeaseCounters:
             layers,
             compute_lanes,
             tuple(self.lane_parts),
+            _quantile(waits, 0.5) * 1e3,
+            _quantile(waits, 0.99) * 1e3,
+            sum(c[8] for c in self.layers.values()),
+            self.shared_misses,
+            self.shared_behind,
         )
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The `q` quantile of sorted values (nearest rank); 0 for none."""
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]

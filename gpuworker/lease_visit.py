@@ -69,6 +69,9 @@ class Visit:
     leases: list[Lease | None] = field(default_factory=list)
     fenced: list[bool] = field(default_factory=list)
     stacked: bool = False  # the waves' tensors come stacked (the copy path)
+    # The shared path (lease words): the slots this visit is counted in on; () once counted out.
+    # None: a message-path visit.
+    shared: tuple[int, ...] | None = None
 
 
 class VisitWave(LeasedWave):

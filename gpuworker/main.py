@@ -33,6 +33,7 @@ from gpuworker.serve import JobServer
 from gpuworker.slots import ZERO_COPY
 from shared.commands import GpuWorkerArgs, parse_gpu_worker_argv
 from shared.gpu_messages import GPU_WORKER_ACCEPTS, GpuGoodbye, GpuHello, GpuReady, GpuWelcome
+from shared.lease_words import LeaseWords, lease_words_bytes
 from shared.process import HandshakeError, ProcessLife, handshake, report_setup_failure
 from shared.protocol import ErrorReply, ProtocolError, decode, encode
 from shared.slab import Slab
@@ -68,9 +69,20 @@ def _welcome(frames: list[bytes]) -> GpuWelcome:
     raise HandshakeError(f"expected gpu_welcome, got {reply.OP}")
 
 
+def _lease_words_bytes(welcome: GpuWelcome) -> int:
+    if not welcome.lease_layers:
+        return 0
+    return lease_words_bytes(slots=welcome.total_slots, layers=welcome.lease_layers, experts=welcome.lease_experts)
+
+
 def _attach(welcome: GpuWelcome) -> Slab:
     try:
-        return Slab.attach(welcome.slab_name, total_slots=welcome.total_slots, slot_bytes=welcome.slot_bytes)
+        return Slab.attach(
+            welcome.slab_name,
+            total_slots=welcome.total_slots,
+            slot_bytes=welcome.slot_bytes,
+            tail_bytes=_lease_words_bytes(welcome),
+        )
     except Exception as error:
         raise SetupError(f"setup failed attaching slab {welcome.slab_name}: {type(error).__name__}: {error}") from error
 
@@ -96,6 +108,17 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
             working_slots=welcome.working_slots,
             reply_timeout_s=config.reply_timeout,
             compute_lanes=lanes,
+            words=(
+                LeaseWords(
+                    slab.buffer,
+                    offset=slab.tail_offset,
+                    slots=welcome.total_slots,
+                    layers=welcome.lease_layers,
+                    experts=welcome.lease_experts,
+                )
+                if welcome.lease_layers
+                else None
+            ),
         )
         unused = "" if client.wrap_path != ZERO_COPY else "; unused on the zero-copy path"
         logger.info("compute lanes: %d (%s)%s", lanes, why, unused)

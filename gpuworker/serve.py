@@ -152,6 +152,11 @@ def _telemetry_json(generation, stats) -> str:
             "wrap_path": stats.wrap_path,
             "compute_lanes": stats.compute_lanes,
             "lane_parts": list(stats.lane_parts),
+            "visit_wait_p50_ms": round(stats.visit_wait_p50_ms, 4),
+            "visit_wait_p99_ms": round(stats.visit_wait_p99_ms, 4),
+            "shared_visits": stats.shared_visits,
+            "shared_misses": stats.shared_misses,
+            "shared_behind": stats.shared_behind,
             "layers": [
                 [
                     s.layer,
@@ -164,6 +169,7 @@ def _telemetry_json(generation, stats) -> str:
                     s.hits,
                     s.bytes_copied,
                     round(s.exposed_copy_ms, 3),
+                    s.shared_visits,
                 ]
                 for s in stats.layers
             ],

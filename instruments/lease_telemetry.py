@@ -66,6 +66,7 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
                     "hits",
                     "bytes_copied",
                     "exposed_copy_ms",
+                    "shared_visits",
                 ),
                 row,
             )
@@ -84,6 +85,10 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
         "decode_passes": passes,
         "compute_lanes": record.get("compute_lanes", 1),
         "ipc_wait_ms_per_layer": sum(r["wait_ms"] for r in decode) / visits,
+        # per decode visit: the lease wait's quantiles, and the share leased without a round trip
+        "lease_wait_p50_ms": record.get("visit_wait_p50_ms", 0.0),
+        "lease_wait_p99_ms": record.get("visit_wait_p99_ms", 0.0),
+        "shared_visit_fraction": sum(r.get("shared_visits", 0) for r in decode) / visits,
         "copy_ms_per_layer": sum(r["copy_ms"] for r in decode) / visits,
         "round_trips_per_layer": sum(r["round_trips"] for r in decode) / visits,
         "end_step_fence_ms_per_token": end_wait / passes,
@@ -108,6 +113,9 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
 
 TELEMETRY_KEYS = (
     "ipc_wait_ms_per_layer",
+    "lease_wait_p50_ms",
+    "lease_wait_p99_ms",
+    "shared_visit_fraction",
     "copy_ms_per_layer",
     "round_trips_per_layer",
     "end_step_fence_ms_per_token",

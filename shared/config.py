@@ -28,6 +28,9 @@ MANIFEST_FILE = "manifest.json"
 IO_MODES = ("auto", "direct", "dontneed", "buffered")
 # Next-layer prefetch (coordinator/prefetch.py): auto stops a layer whose prefetches do not pay.
 PREFETCH_MODES = ("auto", "on", "off")
+# How the GPU worker leases resident experts: `shared` (the lease words, shared.lease_words; misses
+# take messages) or `messages` (every layer visit a routes -> lease round trip).
+LEASE_PATHS = ("shared", "messages")
 STAGING_MODES = ("auto", "on", "off")  # native.staging.STAGING_REQUESTS
 TEST_HOOKS = ("scribble_fenced", "verify_fenced")
 # The residency manager's replacement policies (coordinator.replacement implements each; the one
@@ -80,6 +83,18 @@ class SlabSpec:
     name: str
     total_slots: int
     slot_bytes: int
+    # The lease words after the slots (shared.lease_words): a map of `lease_layers` (one more than
+    # the highest sparse layer id) x `lease_experts`; 0 layers: no words.
+    lease_layers: int = 0
+    lease_experts: int = 0
+
+    @property
+    def tail_bytes(self) -> int:
+        if not self.lease_layers:
+            return 0
+        from shared.lease_words import lease_words_bytes  # the native module, only where words exist
+
+        return lease_words_bytes(slots=self.total_slots, layers=self.lease_layers, experts=self.lease_experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +126,10 @@ class RunConfig:
     version: int = CONFIG_VERSION
     # The coordinator's policy knobs (coordinator/jobs.py, coordinator/safepoint.py).
     queue_limit: int = 16  # generate jobs waiting behind the running one; one more is answered `busy`
-    footprint_interval_ms: float = 100.0  # the footprint is sampled at most this often (at safe points)
+    # The footprint is sampled at most this often (at safe points). Reading a process's PSS
+    # (/proc/PID/smaps_rollup) walks its page tables under its memory-map lock: ~10 ms for a GPU
+    # worker of 400 MB here, time taken from a core decode computes on.
+    footprint_interval_ms: float = 500.0
     pressure_tolerance_bytes: int = 8 * 2**20  # measurement noise allowed above the budget before correcting
     usage_flush_s: float = 30.0  # the usage ledger is flushed this often while dirty (and after each job)
     test_footprint_offset_bytes: int = 0  # TEST KNOB: added to every measured footprint; 0 in real runs
@@ -128,6 +146,7 @@ class RunConfig:
     # (coordinator/footprint.py). 0 when a program embeds the system (tests, benchmarks).
     supervisor_pid: int = 0
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
+    lease_path: str = "shared"  # LEASE_PATHS
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy (parse_replacement)
@@ -278,6 +297,8 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"io_staging must be one of {STAGING_MODES}, got {config.io_staging!r}")
     if config.prefetch_margin is not None and not 0 <= config.prefetch_margin <= 64:
         raise ConfigError(f"prefetch_margin must be in [0, 64], got {config.prefetch_margin}")
+    if config.lease_path not in LEASE_PATHS:
+        raise ConfigError(f"lease_path must be one of {LEASE_PATHS}, got {config.lease_path!r}")
     if config.prefetch not in PREFETCH_MODES:
         raise ConfigError(f"prefetch must be one of {PREFETCH_MODES}, got {config.prefetch!r}")
     if config.compute_lanes is not None:
@@ -327,6 +348,7 @@ __all__ = [
     "CONFIG_VERSION",
     "DEFAULT_REPLACEMENT",
     "IO_MODES",
+    "LEASE_PATHS",
     "MANIFEST_FILE",
     "PREFETCH_MODES",
     "REPLACEMENT_KNOBS",

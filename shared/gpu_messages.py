@@ -36,6 +36,7 @@ MAX_ROUTE_ROWS = 1 << 16  # a prefill chunk's rows
 MAX_TOP_K = 64
 MAX_WAVE_EXPERTS = 4096
 MAX_PREFETCH = 256  # predicted experts per routes message
+MAX_VISITS = 4096  # layer visits per `visited` message (a forward step's sparse layers)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -104,6 +105,10 @@ class GpuWelcome:
     working_slots: int
     block_size: int  # the store's alignment; layouts depend on it
     prefetch: int = 0  # experts to predict per decode step for the next sparse layer (0: no prediction)
+    # The lease words after the slots (shared.lease_words): lease resident experts through them;
+    # 0 layers: every visit takes the message path.
+    lease_layers: int = 0
+    lease_experts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +169,31 @@ class Prefetch:
     (the coordinator logs that): the worker waits for no reply to it."""
 
     OP: ClassVar[str] = "prefetch"
+    layer: int
+    experts: tuple[int, ...] = wire(max_items=MAX_PREFETCH)
+
+
+@dataclass(frozen=True, slots=True)
+class Visited:
+    """Decode layer visits the worker leased itself through the lease words, in order: what a
+    `routes` per visit would have told the coordinator (every selection, and predictions), sent
+    before any other message and at the end of a forward step, with no reply awaited. `fence`:
+    a lease of the message path done before the first of them (answered with `fenced`).
+    `end_step`: the forward step is over (nothing is leased)."""
+
+    OP: ClassVar[str] = "visited"
+    layers: tuple[int, ...] = wire(max_items=MAX_VISITS)
+    routes: RouteMatrix | None = None  # one row per visit (decode), in `layers` order
+    fence: int | None = None
+    end_step: bool = False
+    predictions: tuple[Prediction, ...] = wire(default=(), max_items=MAX_VISITS)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What visit `visit` of a `visited` predicted for sparse layer `layer` (as `routes` carries it)."""
+
+    visit: int
     layer: int
     experts: tuple[int, ...] = wire(max_items=MAX_PREFETCH)
 
@@ -243,6 +273,6 @@ GPU_WORKER_ACCEPTS = make_registry(GpuWelcome, Lease, Fenced, Job, JobCancel, Er
 """Ops the GPU worker accepts from the coordinator."""
 
 COORDINATOR_ACCEPTS_FROM_GPU = make_registry(
-    GpuHello, GpuReady, GpuGoodbye, Routes, Fence, Prefetch, Token, JobDone, JobError, ErrorReply
+    GpuHello, GpuReady, GpuGoodbye, Routes, Fence, Prefetch, Visited, Token, JobDone, JobError, ErrorReply
 )
 """Ops the coordinator accepts from the GPU worker."""

@@ -94,6 +94,7 @@ class JobStats:
     misses: int = 0
     hit_rate: float = 0.0
     all_resident: float = 0.0  # fraction of layer visits whose k experts were all resident
+    shared_leases: float = 0.0  # fraction of layer visits leased through the lease words (no round trip)
     bytes_read: int = 0
     disk_p50_ms: float = 0.0
     disk_p99_ms: float = 0.0

@@ -78,17 +78,27 @@ class Slab:
     """A mapped slab of `total_slots` slots of `slot_bytes` each.
 
     `buffer` is the writable mmap; `slot_view(slot)` a memoryview of one slot.
-    As a context manager it closes the mapping on exit and, for the creator,
-    also unlinks the segment.
+    `tail_bytes` after the slots hold the lease words (`shared.lease_words`, at `tail_offset`):
+    one segment to create, unlink and check for leaks. As a context manager it closes the
+    mapping on exit and, for the creator, also unlinks the segment.
     """
 
     def __init__(
-        self, *, name: str, total_slots: int, slot_bytes: int, memory: posix_ipc.SharedMemory, owner: bool
+        self,
+        *,
+        name: str,
+        total_slots: int,
+        slot_bytes: int,
+        memory: posix_ipc.SharedMemory,
+        owner: bool,
+        tail_bytes: int = 0,
     ) -> None:
         self.name = name
         self.total_slots = total_slots
         self.slot_bytes = slot_bytes
-        self.size = total_slots * slot_bytes
+        self.tail_offset = total_slots * slot_bytes
+        self.tail_bytes = tail_bytes
+        self.size = self.tail_offset + tail_bytes
         self.owner = owner
         self._memory = memory
         self._fd: int | None = memory.fd
@@ -96,8 +106,16 @@ class Slab:
         self._unlinked = False
 
     @classmethod
-    def create(cls, *, total_slots: int, slot_bytes: int, name: str | None = None, prefault: bool = False) -> Slab:
-        """Create a new segment (O_CREX, mode 0600) and map it.
+    def create(
+        cls,
+        *,
+        total_slots: int,
+        slot_bytes: int,
+        name: str | None = None,
+        prefault: bool = False,
+        tail_bytes: int = 0,
+    ) -> Slab:
+        """Create a new segment (O_CREX, mode 0600) of the slots and `tail_bytes`, and map it.
 
         `prefault` allocates every page up front so the first loads do not pay
         for page allocation and the footprint is the whole slab from the start.
@@ -105,9 +123,10 @@ class Slab:
         slots = require_int(total_slots, "total_slots", minimum=1)
         stride = check_slot_bytes(slot_bytes)
         segment = check_slab_name(name) if name is not None else new_slab_name()
-        memory = posix_ipc.SharedMemory(segment, posix_ipc.O_CREX, mode=0o600, size=slots * stride)
+        tail = require_int(tail_bytes, "tail_bytes")
+        memory = posix_ipc.SharedMemory(segment, posix_ipc.O_CREX, mode=0o600, size=slots * stride + tail)
         try:
-            slab = cls(name=segment, total_slots=slots, slot_bytes=stride, memory=memory, owner=True)
+            slab = cls(name=segment, total_slots=slots, slot_bytes=stride, memory=memory, owner=True, tail_bytes=tail)
         except BaseException:
             memory.close_fd()
             memory.unlink()
@@ -122,18 +141,20 @@ class Slab:
         return slab
 
     @classmethod
-    def attach(cls, name: str, *, total_slots: int, slot_bytes: int) -> Slab:
-        """Map an existing segment; refuse one smaller than the expected slots."""
+    def attach(cls, name: str, *, total_slots: int, slot_bytes: int, tail_bytes: int = 0) -> Slab:
+        """Map an existing segment (its slots and `tail_bytes`); refuse one smaller than that."""
         slots = require_int(total_slots, "total_slots", minimum=1)
         stride = check_slot_bytes(slot_bytes)
+        tail = require_int(tail_bytes, "tail_bytes")
         memory = posix_ipc.SharedMemory(check_slab_name(name))
         try:
             actual = os.fstat(memory.fd).st_size
-            if actual < slots * stride:
+            if actual < slots * stride + tail:
                 raise ValueError(
-                    f"slab {name} has {actual} bytes; {slots} slots of {stride} bytes need {slots * stride}"
+                    f"slab {name} has {actual} bytes; {slots} slots of {stride} bytes and {tail} bytes of "
+                    f"lease words need {slots * stride + tail}"
                 )
-            return cls(name=name, total_slots=slots, slot_bytes=stride, memory=memory, owner=False)
+            return cls(name=name, total_slots=slots, slot_bytes=stride, memory=memory, owner=False, tail_bytes=tail)
         except BaseException:
             memory.close_fd()
             raise

@@ -13,6 +13,7 @@ socket file readable by its owner only, and CURVE where it is asked for
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import TypeVar
@@ -20,7 +21,9 @@ from typing import TypeVar
 import zmq
 
 from shared.curve import WIRE_OVERHEAD_BYTES, CurveKeys
-from shared.protocol import MAX_MESSAGE_BYTES
+from shared.protocol import MAX_MESSAGE_BYTES, encode
+
+logger = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=zmq.Socket)
 
@@ -131,4 +134,19 @@ def remove_ipc_file(endpoint: str) -> None:
             pass
 
 
-__all__ = ["bound_endpoint", "ipc_path", "open_socket", "remove_ipc_file"]
+def send_routed(sock, identity: bytes, message: object) -> bool:
+    """Send `message` to the peer `identity` of a ROUTER (an asyncio socket) without blocking;
+    False (logged) when ZeroMQ refuses it: a peer that is gone or not keeping up."""
+    try:
+        sent = sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT)
+    except zmq.ZMQError as error:
+        logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
+        return False
+    error = sent.exception() if sent.done() else None  # DONTWAIT resolves at once
+    if error is not None:
+        logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
+        return False
+    return True
+
+
+__all__ = ["bound_endpoint", "ipc_path", "open_socket", "remove_ipc_file", "send_routed"]

@@ -160,6 +160,7 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 compute_lanes=options.compute_lanes,
                 prefetch=options.prefetch,
                 replacement=options.replacement,
+                lease_path=options.lease_path,
                 # The launcher's own memory is in the budget (coordinator/footprint.py).
                 run_config={**job_limits(options), "supervisor_pid": os.getpid()},
                 curve=options.curve,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from shared.config import (
     DEFAULT_REPLACEMENT,
+    LEASE_PATHS,
     PREFETCH_MODES,
     check_compute_lanes,
     check_jobs_endpoint,
@@ -52,6 +53,7 @@ class SupervisorOptions:
     compute_lanes: int | None = None  # None: the GPU worker's auto choice
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
+    lease_path: str = "shared"  # shared.config.LEASE_PATHS
     # The job front door's limits (coordinator/job_limits.py); None: the model's context, or half the queue.
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
@@ -170,6 +172,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         "(auto: a layer whose prefetches are not used stops)",
     )
     add(
+        "--lease-path",
+        choices=LEASE_PATHS,
+        default="shared",
+        help="shared: the GPU worker leases resident experts through atomic words in shared memory "
+        "(misses take messages); messages: every layer visit is a round trip to the coordinator",
+    )
+    add(
         "--replacement",
         type=_replacement,
         default=DEFAULT_REPLACEMENT,
@@ -257,6 +266,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         compute_lanes=ns.compute_lanes,
         prefetch=ns.prefetch,
         replacement=ns.replacement,
+        lease_path=ns.lease_path,
         max_prompt_tokens=ns.max_prompt_tokens,
         max_tokens=ns.max_tokens,
         max_queued_per_client=ns.max_queued_per_client,

@@ -51,6 +51,7 @@ from shared.config import (
     CONFIG_FILE,
     DEFAULT_REPLACEMENT,
     IO_MODES,
+    LEASE_PATHS,
     MANIFEST_FILE,
     PREFETCH_MODES,
     TEST_HOOKS,
@@ -173,10 +174,19 @@ class RunningSystem:
         name = new_slab_name()
         self._created.append(write_run_record(self.run_dir, name))
         self._slab_name = name
-        Slab.create(total_slots=plan.total_slots, slot_bytes=plan.slot_bytes, name=name).close()  # workers map it
+        slab = SlabSpec(
+            name=name,
+            total_slots=plan.total_slots,
+            slot_bytes=plan.slot_bytes,
+            lease_layers=max(self.store.sparse_layers) + 1,
+            lease_experts=self.store.experts_per_layer,
+        )
+        # The lease words follow the slots in the same segment (the coordinator initialises them).
+        Slab.create(
+            total_slots=plan.total_slots, slot_bytes=plan.slot_bytes, name=name, tail_bytes=slab.tail_bytes
+        ).close()  # workers map it
         manifest = os.path.join(self.run_dir, MANIFEST_FILE)
         self._write(manifest, json.dumps([os.path.abspath(path) for path in self.store.manifest]))
-        slab = SlabSpec(name=name, total_slots=plan.total_slots, slot_bytes=plan.slot_bytes)
         if self._launch.curve is not None:  # the key pair lives, and is removed, with the run
             self._fields["curve_keys"] = os.path.join(self.run_dir, CURVE_DIR)
             self._created += write_server_keys(self._fields["curve_keys"], self._launch.curve)
@@ -341,6 +351,7 @@ def start_system(
     prefetch: str = "auto",
     io_staging: str = "auto",
     replacement: str = DEFAULT_REPLACEMENT,
+    lease_path: str = "shared",
     run_config: Mapping[str, Any] | None = None,
     cancel: Callable[[], bool] | None = None,
     curve: bool = False,
@@ -355,7 +366,8 @@ def start_system(
     loads (tests). `compute_lanes`: the GPU worker's `--compute-lanes` (None: its auto choice,
     `gpuworker.lanes.resolve_lanes`). `prefetch`: next-layer prefetch, auto | on | off
     (`coordinator.prefetch`). `io_staging`: the I/O workers' `--staging`. `replacement`: the
-    residency manager's replacement policy (`shared.config.parse_replacement`). `run_config`: more
+    residency manager's replacement policy (`shared.config.parse_replacement`). `lease_path`: how the
+    GPU worker leases resident experts (`shared.config.LEASE_PATHS`). `run_config`: more
     `RunConfig` fields (the coordinator's policy knobs, e.g. `queue_limit`, `usage_flush_s`).
     `cancel` is polled while waiting for readiness: True stops the launch (`LaunchCancelled`), with
     everything it created removed. `curve`: the jobs endpoint is a CURVE server with a fresh key pair;
@@ -373,6 +385,8 @@ def start_system(
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
     parse_replacement(replacement)
+    if lease_path not in LEASE_PATHS:
+        raise ValueError(f"lease_path must be one of {LEASE_PATHS}, got {lease_path!r}")
     keys = load_server_keys(curve_keys) if curve_keys is not None else new_server_keys() if curve else None
     endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint, curve=keys is not None)
     store = ExpertStore.open(model_dir, block_size=block_size)
@@ -407,6 +421,7 @@ def start_system(
         prefetch=prefetch,
         io_staging=io_staging,
         replacement=replacement,
+        lease_path=lease_path,
         test_io_read_delay_ms=float(io_read_delay_ms) if io_read_delay_ms else None,
         **(run_config or {}),
     )

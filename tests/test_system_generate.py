@@ -110,20 +110,30 @@ def _lanes_of_jobs(records) -> list[tuple[int, list[int]]]:
 
 # Two compute lanes (what auto picks on a 2-core CPU) everywhere, stated so that a machine with
 # one core tests them too; one lane for one family, full precision and 4-bit.
-@pytest.mark.parametrize(
-    ("family", "quantized", "lanes"),
-    [
-        pytest.param(family, quantized, lanes, id=f"{family}-{'q4' if quantized else 'fp32'}-{lanes}lanes")
-        for family, lanes in [*((family, 2) for family in FAMILIES), (FAMILIES[0], 1)]
-        for quantized in (False, True)
-    ],
-)
+LANES = [
+    pytest.param(family, quantized, lanes, id=f"{family}-{'q4' if quantized else 'fp32'}-{lanes}lanes")
+    for family, lanes in [*((family, 2) for family in FAMILIES), (FAMILIES[0], 1)]
+    for quantized in (False, True)
+]
+
+
+@pytest.mark.parametrize(("family", "quantized", "lanes"), LANES)
 def test_generation_equals_mlx_lm(family, quantized, lanes, models, caplog, record_property):
+    _tight_run(family, quantized, lanes, "shared", models, caplog, record_property)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "q4"])
+def test_generation_on_the_message_path_equals_mlx_lm(quantized, models, caplog, record_property):
+    """`--lease-path messages`: every visit a round trip, and fenced slots scribbled at the fence."""
+    _tight_run(FAMILIES[0], quantized, 2, "messages", models, caplog, record_property)
+
+
+def _tight_run(family, quantized, lanes, lease_path, models, caplog, record_property):
     caplog.set_level(logging.INFO)
     path = models(family, quantized)
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
-    with _start(path, compute_lanes=lanes) as system:
+    with _start(path, compute_lanes=lanes, lease_path=lease_path) as system:
         plan = system.plan
         assert (plan.working_slots, plan.slots_per_layer, plan.pinned_slots) == (store.top_k, 1, 0)
         assert plan.planned_bytes == tight_budget(store)
@@ -143,7 +153,10 @@ def test_generation_equals_mlx_lm(family, quantized, lanes, models, caplog, reco
     assert stats.budget_bytes == tight_budget(store) + PROCESS_ALLOWANCE and stats.wrap_path in ("copy", "zero_copy")
     assert second.done.stats.misses > 0 and second.done.stats.evictions > 0
     assert hooks, "the coordinator never reported its test hooks"
-    assert hooks["violations"] == 0 and hooks["scribbled"] > 0 and hooks["verified"] > 0 and hooks["restored"] > 0
+    assert hooks["violations"] == 0 and hooks["scribbled"] > 0 and hooks["verified"] > 0
+    # The message path scribbles at each fence and restores at the next lease; the shared path
+    # scribbles a slot when it is withdrawn, and a withdrawn slot is only ever reloaded.
+    assert (hooks["restored"] > 0) == (lease_path == "messages"), hooks
     figures = dict(
         family=family,
         quantized=quantized,
@@ -159,6 +172,27 @@ def test_generation_equals_mlx_lm(family, quantized, lanes, models, caplog, reco
     )
     record_property("figures", json.dumps(figures))
     log.info("system figures: %s", json.dumps(figures))
+
+
+@pytest.mark.parametrize(("family", "quantized", "lanes"), LANES)
+def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quantized, lanes, models, caplog):
+    """All but one expert of each layer resident: most decode visits lease through the lease
+    words, the rest take messages, evictions withdraw slots (scribbled and verified there)."""
+    caplog.set_level(logging.INFO)
+    path = models(family, quantized)
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    with _start(
+        path, budget="all_resident", slots_per_layer=store.experts_per_layer - 1, compute_lanes=lanes
+    ) as system:
+        first = run_job(system, max_tokens=GENERATED)
+        second = run_job(system, max_tokens=GENERATED)
+        hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
+    assert max(_check_against(result, want) for result in (first, second)) <= RTOL
+    stats = second.done.stats
+    assert stats.shared_leases > 0.3 and stats.misses > 0, stats  # both paths served the job
+    assert stats.shared_leases <= stats.all_resident
+    assert hooks and hooks["violations"] == 0 and hooks["verified"] > 0, hooks
 
 
 # ---------------------------------------------------------------------------------------------

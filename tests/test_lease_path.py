@@ -1,0 +1,215 @@
+"""The shared lease path makes exactly the residency decisions the message path makes.
+
+A routing trace is replayed through two lease services, each over its own residency manager
+(InMemoryBackend, no processes). The message path: every decode visit a `routes` -> `lease`
+round trip with the previous fence piggybacked, and `fence` at each token's end. The shared
+path: a reader that behaves as the GPU worker's `LeaseClient` does (gpuworker/lease_client.py)
+leases published experts through the lease words, only when the coordinator has processed
+every residency message it sent, counts out at once (the copy path), and tells the visits in
+one `visited` before its next message or at the token's end, carrying a pending fence.
+
+After every token both must agree on hits, misses and evictions, on which slot holds which
+expert, and on the routes recorded; the lease words must publish exactly the ready residents.
+Traces: synthetic ones with prompt-like reuse, random ones (hypothesis), and the real
+DeepSeek-V2-Lite routing of ../shared/traces when this checkout has it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.lease_publisher import LeasePublisher, PublishingBackend
+from coordinator.leases import LeaseService
+from coordinator.memory_backend import InMemoryBackend
+from coordinator.prefetch import PrefetchBook
+from coordinator.residency import ExpertResidencyManager
+from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, RouteMatrix, Routes, Visited
+from shared.lease_words import LeaseWords, lease_words_bytes
+from shared.plan import plan_expert_residency
+from shared.protocol import decode, encode
+from shared.segments import ExpertIOSegment, ExpertResidencyLocation
+from shared.trace import Trace, generate_trace, read_trace
+from tests.helpers.residency import run_async
+
+REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "dsv2lite-dev.txt.gz"
+
+
+def _locate(layer: int, expert: int) -> ExpertResidencyLocation:
+    return ExpertResidencyLocation(layer, expert, (ExpertIOSegment(file=0, offset=0, length=64, destination=0),))
+
+
+def _wire(message):
+    return decode(encode(message), COORDINATOR_ACCEPTS_FROM_GPU)  # as it arrives over the wire
+
+
+class _Side:
+    """One lease service over its own manager; `words` given: the shared path's publisher too."""
+
+    def __init__(self, layers, experts, *, per_layer, working, replacement, shared: bool) -> None:
+        plan = plan_expert_residency(
+            budget_bytes=10**9,
+            fixed_bytes=0,
+            slot_bytes=1,
+            sparse_layers=len(layers),
+            working_slots=working,
+            max_slots_per_layer=per_layer,
+        )
+        self.routes: list[tuple[int, tuple[int, ...]]] = []
+        self.words = None
+        inner = InMemoryBackend(plan.total_slots)
+        if shared:
+            size = lease_words_bytes(slots=plan.total_slots, layers=max(layers) + 1, experts=experts)
+            self.words = LeaseWords(
+                bytearray(size), offset=0, slots=plan.total_slots, layers=max(layers) + 1, experts=experts
+            )
+        self.publisher = LeasePublisher(self.words)
+        self.manager = ExpertResidencyManager(
+            plan=plan,
+            sparse_layer_ids=layers,
+            backend=PublishingBackend(inner, self.publisher),
+            locate=_locate,
+            prefetch=PrefetchBook(mode="off"),
+            replacement=replacement,
+            route_observer=lambda layer, rows: self.routes.append((layer, tuple(np.asarray(rows).reshape(-1)))),
+        )
+        self.publisher.attach(self.manager.slot_table)
+        self.service = LeaseService(manager=self.manager, experts_per_layer=experts)
+        self.unsent: int | None = None  # the message path's lease fenced, not yet told
+        self.sent = 0
+        self.visits: list[tuple[int, np.ndarray]] = []
+        self.carried: int | None = None
+        self.shared_visits = 0
+
+    async def _send(self, message):
+        """The coordinator's handling of one worker message (coordinator.service._gpu_message)."""
+        if self.visits:
+            await self._send_visited(end_step=False)
+        reply = await self.service.handle(_wire(message))
+        self.publisher.processed()
+        self.sent += 1
+        return reply
+
+    async def _send_visited(self, *, end_step: bool) -> None:
+        fence, self.carried = self.carried, None
+        message = Visited(
+            layers=tuple(layer for layer, _ in self.visits),
+            routes=RouteMatrix(np.stack([row for _, row in self.visits])),
+            fence=fence,
+            end_step=end_step,
+        )
+        self.visits = []
+        reply = await self.service.handle(_wire(message))
+        assert reply == (None if fence is None else Fenced(lease_id=fence)), reply
+        if fence is not None:
+            self.publisher.processed()
+            self.sent += 1
+
+    async def visit(self, layer: int, row: np.ndarray) -> None:
+        if self.words is not None and self.words.processed() == self.sent:
+            slots = self.words.lease(layer, list(dict.fromkeys(row.tolist())))
+            if slots is not None:
+                self.words.release(slots)  # the copy is done: nothing reads the slots
+                if self.unsent is not None:
+                    self.carried, self.unsent = self.unsent, None
+                self.visits.append((layer, row.astype(np.int32)))
+                self.shared_visits += 1
+                return
+        lease = await self._send(
+            Routes(layer=layer, routes=RouteMatrix(row[None, :].astype(np.int32)), fence=self.unsent)
+        )
+        assert isinstance(lease, Lease) and lease.waves == 1, lease
+        self.unsent = lease.lease_id
+
+    async def end_step(self) -> None:
+        if self.visits:
+            await self._send_visited(end_step=self.unsent is None)
+        if self.unsent is not None:
+            lease_id, self.unsent = self.unsent, None
+            assert await self._send(Fence(lease_id=lease_id)) == Fenced(lease_id=lease_id)
+
+    def decisions(self) -> tuple:
+        snap = self.manager.snapshot()
+        resident = sorted((e.slot, e.layer, e.expert_id) for e in self.manager.residency_map())
+        return snap.hits, snap.misses, snap.evictions, tuple(resident), len(self.routes)
+
+    def check_published(self) -> None:
+        """The lease words publish exactly the ready residents, each at its slot."""
+        assert self.words is not None
+        table = self.manager.slot_table
+        for layer in self.manager.sparse_layer_ids:
+            for expert in range(self.words.experts):
+                slot = table.lookup.get((layer, expert))
+                ready = slot is not None and table.slots[slot].phase in ("ready", "leased")
+                entry = self.words.entry(layer, expert)
+                if ready:
+                    assert entry is not None and entry[0] == slot and not self.words.claimed(slot), (layer, expert)
+                    assert self.words.generation(slot) == entry[1]
+                else:
+                    assert entry is None or self.words.generation(entry[0]) != entry[1], (layer, expert, entry)
+        assert all(self.words.readers(slot) == 0 for slot in range(self.words.slots))
+
+
+async def _replay(trace: Trace, *, per_layer: int, replacement: str = "lru", tokens: int | None = None) -> _Side:
+    layers = trace.layer_ids
+    experts = trace.num_experts
+    working = max(trace.top_k, 2)
+    sides = [
+        _Side(layers, experts, per_layer=per_layer, working=working, replacement=replacement, shared=shared)
+        for shared in (False, True)
+    ]
+    order = np.unique(trace.tokens)
+    for count, token in enumerate(order[:tokens] if tokens else order):
+        at = np.flatnonzero(trace.tokens == token)
+        for side in sides:
+            for index in at:
+                await side.visit(int(trace.layers[index]), trace.experts[index])
+            await side.end_step()
+        assert sides[0].decisions() == sides[1].decisions(), f"token {count} ({token})"
+        assert sides[0].routes == sides[1].routes
+    sides[1].check_published()
+    return sides[1]
+
+
+@pytest.mark.parametrize("replacement", ["lru", "lrfu"])
+@pytest.mark.parametrize("per_layer", [2, 6, 16])
+@run_async
+async def test_a_prompt_like_trace_gets_the_same_decisions_on_both_paths(per_layer, replacement):
+    trace = generate_trace(layers=4, experts=24, top_k=4, tokens=120, overlap=0.5, zipf=1.0, seed=per_layer)
+    shared = await _replay(trace, per_layer=per_layer, replacement=replacement)
+    assert shared.manager.snapshot().misses > 0  # the message path ran
+    if per_layer >= 6:  # room for a visit's 4 experts to be resident together: the shared path ran
+        assert shared.shared_visits > 0
+
+
+@run_async
+async def test_every_visit_of_a_fully_resident_model_after_the_first_token_is_shared():
+    trace = generate_trace(layers=3, experts=8, top_k=2, tokens=40, overlap=0.3, seed=1)
+    shared = await _replay(trace, per_layer=8)
+    visits = trace.num_visits
+    # The first visit of each expert loads it; once all are resident nothing takes messages.
+    assert shared.shared_visits >= visits - 3 * 8
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    per_layer=st.integers(1, 6),
+    overlap=st.floats(0.0, 1.0),
+    zipf=st.floats(0.0, 2.0),
+)
+def test_random_traces_get_the_same_decisions_on_both_paths(seed, per_layer, overlap, zipf):
+    trace = generate_trace(layers=3, experts=10, top_k=3, tokens=30, overlap=overlap, zipf=zipf, seed=seed)
+    run_async(_replay)(trace, per_layer=per_layer)
+
+
+@pytest.mark.skipif(not REAL_TRACE.exists(), reason=f"the real routing trace is not in this checkout ({REAL_TRACE})")
+@pytest.mark.parametrize("per_layer", [8, 16])
+@run_async
+async def test_real_routing_gets_the_same_decisions_on_both_paths(per_layer):
+    shared = await _replay(read_trace(REAL_TRACE), per_layer=per_layer, tokens=80)
+    assert shared.shared_visits > 0
