@@ -1,5 +1,5 @@
-"""Build the native code as part of `pip install -e .`: the cache-bypassing reader and the
-lease words (atomics on the shared residency map).
+"""Build the native code as part of `pip install -e .`: the cache-bypassing reader, the
+lease words (atomics on the shared residency map) and the slot-to-stack copy.
 
 There is deliberately no pure-Python fallback: without a C compiler the
 install fails here, loudly, rather than at the first expert load.
@@ -14,6 +14,12 @@ setup(
             sources=["native/bypassio.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
             libraries=["pthread"],
+            optional=False,
+        ),
+        Extension(
+            "native._slotcopy",
+            sources=["native/slotcopy.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
             optional=False,
         ),
         Extension(

@@ -260,3 +260,35 @@ def test_any_spans_land_exactly(disk_file, payload, region, spans):
         assert result.ok
         landed = region[op.region_offset : op.region_offset + op.length]
         assert landed == payload[op.file_offset : op.file_offset + op.length]
+
+
+# ---------------------------------------------------------------------------------------------
+# The stacked copy (native/slotcopy.c)
+
+
+def test_stack_copies_each_tensor_of_each_row_into_its_destination():
+    from native import _slotcopy
+
+    src = bytes(range(256)) * 4
+    first, second = bytearray(2 * 8), bytearray(2 * 4)
+    _slotcopy.stack(src, [first, second], [8, 4], [0, 100, 300, 500])  # rows (0, 100) and (300, 500)
+    assert bytes(first) == src[0:8] + src[300:308]
+    assert bytes(second) == src[100:104] + src[500:504]
+
+
+def test_stack_refuses_out_of_range_input_and_copies_nothing():
+    import pytest
+
+    from native import _slotcopy
+
+    src = bytes(64)
+    dst = bytearray(b"\x01" * 16)
+    with pytest.raises(ValueError, match=r"row 1 tensor 0: bytes 60\.\.68 are outside the source's 64"):
+        _slotcopy.stack(src, [dst], [8], [0, 60])
+    with pytest.raises(ValueError, match="destination 0 holds 16 bytes; 3 rows of 8 need 24"):
+        _slotcopy.stack(src, [dst], [8], [0, 8, 16])
+    with pytest.raises(ValueError, match="sources\\[1\\] is negative"):
+        _slotcopy.stack(src, [dst], [8], [0, -8])
+    with pytest.raises(ValueError, match="2 destinations, 1 lengths, 2 sources"):
+        _slotcopy.stack(src, [dst, dst], [8], [0, 8])
+    assert bytes(dst) == b"\x01" * 16
