@@ -9,7 +9,7 @@ meaning change) first withdraws the slot: claim, wait for the readers still in, 
 ordering is what makes a lease the GPU worker takes itself safe; `sync` only adds.
 
 `processed(...)` ends each worker message that may change residency (routes, fence, prefetch, a
-`visited` that fences): sync, then publish the count. The worker leases through the words only
+`visited` that fences or predicts): sync, then publish the count. The worker leases through the words only
 while that count equals what it sent, so it sees the residency its next `routes` would have seen.
 """
 

@@ -230,7 +230,7 @@ class Coordinator:
             )
             return False
         counted = isinstance(message, (Routes, Fence, Prefetch)) or (
-            isinstance(message, Visited) and message.fence is not None
+            isinstance(message, Visited) and (message.fence is not None or bool(message.predictions))
         )
         if isinstance(message, GpuReady):
             self._gpu_ready(identity, message)

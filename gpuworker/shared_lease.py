@@ -8,7 +8,9 @@ last part is copied (nothing reads the slots after that); on the zero-copy path 
 fence. The visits are told in one `visited` before any other message, or at the end of the
 forward step (`_send_visited`), carrying the fence of a message-path lease that preceded them,
 so the coordinator records them (ledger, recency) in the order a `routes` per visit would have.
-A miss, or a lost race, takes the message path.
+A visit that predicts the next layer's experts is told at once (no reply awaited), so that the
+coordinator reads them while the layer computes, as it would for a `routes`; a `visited` that
+fences or predicts counts in `_sent`. A miss, or a lost race, takes the message path.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ class SharedLeasing:
         )
         self._visited_layers, self._visited_rows, self._visited_predictions = [], [], []
         self.channel.send(message)
-        if fence is not None:  # its `fenced` is taken like an end-of-step fence's
+        if fence is not None or message.predictions:  # it may change residency: counted
             self._sent += 1
+        if fence is not None:  # its `fenced` is taken like an end-of-step fence's
             self._acks.add(fence)
 
     def _acquire_shared(
@@ -93,6 +96,8 @@ class SharedLeasing:
         visit = Visit(layer, [experts], [lease], [False], stacked=self._stack_pool is not None, shared=slots)
         self._visit = visit
         self._stats.visit_waits.append(elapsed)
+        if prefetch is not None:  # the prediction's reads start while this layer computes, as a routes' do
+            self._send_visited(end_step=False)
         try:
             if self._stack_pool is None:  # zero copy: the views read the slots until the fence
                 return [visit_wave(visit, 0, self._wrap(layer, experts, lease))]
