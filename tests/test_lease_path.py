@@ -30,11 +30,10 @@ from coordinator.prefetch import PrefetchBook
 from coordinator.residency import ExpertResidencyManager
 from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, RouteMatrix, Routes, Visited
 from shared.lease_words import LeaseWords, lease_words_bytes
-from shared.plan import plan_expert_residency
 from shared.protocol import decode, encode
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.trace import Trace, generate_trace, read_trace
-from tests.helpers.residency import run_async
+from tests.helpers.residency import one_byte_plan, run_async
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "dsv2lite-dev.txt.gz"
 
@@ -51,14 +50,7 @@ class _Side:
     """One lease service over its own manager; `words` given: the shared path's publisher too."""
 
     def __init__(self, layers, experts, *, per_layer, working, replacement, shared: bool) -> None:
-        plan = plan_expert_residency(
-            budget_bytes=10**9,
-            fixed_bytes=0,
-            slot_bytes=1,
-            sparse_layers=len(layers),
-            working_slots=working,
-            max_slots_per_layer=per_layer,
-        )
+        plan = one_byte_plan(layers=layers, working=working, per_layer=per_layer)
         self.routes: list[tuple[int, tuple[int, ...]]] = []
         self.words = None
         inner = InMemoryBackend(plan.total_slots)
