@@ -39,6 +39,7 @@ class System:
         compute_lanes: int | None = None,
         prefetch: str = "auto",
         io_staging: str = "auto",
+        lease_path: str = "shared",
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
@@ -57,6 +58,7 @@ class System:
             compute_lanes=compute_lanes,
             prefetch=prefetch,
             io_staging=io_staging,
+            lease_path=lease_path,
         )
         self.prefetch = prefetch
         self.startup_s = time.perf_counter() - started

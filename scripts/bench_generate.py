@@ -76,7 +76,7 @@ from instruments.lease_telemetry import TelemetryLog
 from instruments.machine import MemoryWatch, total_memory
 from instruments.mlx_reference import MlxLm, prompt_tokens, until_eos
 from instruments.system_jobs import System
-from shared.config import check_compute_lanes
+from shared.config import LEASE_PATHS, check_compute_lanes
 from shared.store import ExpertStore
 
 
@@ -137,6 +137,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     run.add_argument(
         "--io-staging", choices=("auto", "on", "off"), default="auto", help="the I/O workers' huge-page staging"
+    )
+    run.add_argument(
+        "--lease-path", choices=LEASE_PATHS, default="shared", help="how the GPU worker leases resident experts"
     )
     run.add_argument("--disk-experts", type=int, default=64, help="experts read per disk measurement")
     run.add_argument("--skip", default="", help="comma-separated parts to skip: resident,streaming")
@@ -221,6 +224,7 @@ class Bench:
             compute_lanes=self.args.compute_lanes,
             prefetch=self.args.prefetch,
             io_staging=self.args.io_staging,
+            lease_path=self.args.lease_path,
         )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the
