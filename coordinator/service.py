@@ -308,6 +308,7 @@ class Coordinator:
                 prefetch=welcome_prefetch(self.config, self.store),
                 lease_layers=self.config.slab.lease_layers if self.publisher.enabled else 0,
                 lease_experts=self.config.slab.lease_experts if self.publisher.enabled else 0,
+                parts_min_bytes=self.config.decode_parts_min_bytes,
             ),
         )
 

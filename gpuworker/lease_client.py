@@ -72,6 +72,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         zero_copy: bool | None = None,
         compute_lanes: int = 1,
         words: LeaseWords | None = None,
+        parts_min_bytes: int = 0,
     ) -> None:
         if working_slots < 1:
             raise ValueError(f"working_slots must be >= 1, got {working_slots}")
@@ -86,6 +87,9 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         self.zero_copy = zero_copy
         self._visit: Visit | None = None
         self.words = words
+        # A decode wave smaller than this is copied and computed whole: each part costs an
+        # evaluation's dispatch, which outweighs a small copy it would hide (gpuworker.lanes).
+        self.parts_min_bytes = int(parts_min_bytes)
         self._sent = 0  # messages sent that may change residency (the coordinator counts them too)
         self._visited_layers: list[int] = []  # shared-path visits not yet told (`visited`)
         self._visited_rows: list[np.ndarray] = []
@@ -169,7 +173,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
                 self._stats.visit_waits.append(time.perf_counter() - started)
             parts = (
                 decode_parts(waves[0], lanes=self.compute_lanes)
-                if visit.stacked and routes.shape[0] == 1 and len(waves) == 1
+                if visit.stacked and routes.shape[0] == 1 and len(waves) == 1 and self._in_parts(layer, waves[0])
                 else ()
             )
             # Parts are copied when the module takes them, each while the one before computes.
@@ -313,6 +317,12 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         self.channel.send(message)
         if isinstance(message, (Routes, Fence, Prefetch)):
             self._sent += 1
+
+    def _in_parts(self, layer: int, experts: Sequence[int]) -> bool:
+        """Whether a decode wave of `experts` is handed over in parts (copy path)."""
+        if not self.parts_min_bytes:
+            return True
+        return len(experts) * sum(t.nbytes for t in self.store.layout(layer, experts[0])) >= self.parts_min_bytes
 
     def _round_trip(self, message: object, what: str) -> object:
         started = time.perf_counter()

@@ -108,6 +108,7 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
             working_slots=welcome.working_slots,
             reply_timeout_s=config.reply_timeout,
             compute_lanes=lanes,
+            parts_min_bytes=welcome.parts_min_bytes,
             words=(
                 LeaseWords(
                     slab.buffer,

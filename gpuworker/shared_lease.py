@@ -101,7 +101,7 @@ class SharedLeasing:
         try:
             if self._stack_pool is None:  # zero copy: the views read the slots until the fence
                 return [visit_wave(visit, 0, self._wrap(layer, experts, lease))]
-            parts = decode_parts(experts, lanes=self.compute_lanes)
+            parts = decode_parts(experts, lanes=self.compute_lanes) if self._in_parts(layer, experts) else ()
             lanes = part_lanes(len(parts), self.compute_lanes)
 
             def whole():
@@ -117,6 +117,8 @@ class SharedLeasing:
                     if index == len(parts) - 1:
                         self._count_out(visit)
 
+            if not parts:
+                return [visit_wave(visit, 0, whole)]
             return [visit_wave(visit, 0, whole, parts=parts, part_lanes=lanes, take_part=take_part)]
         except BaseException:
             self._visit = None

@@ -147,6 +147,9 @@ class RunConfig:
     supervisor_pid: int = 0
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     lease_path: str = "shared"  # LEASE_PATHS
+    # A decode wave of fewer bytes is copied and computed whole, not in parts over the compute
+    # lanes: each part's evaluation costs ~0.1 ms of dispatch here, more than a small copy hides.
+    decode_parts_min_bytes: int = 4 * 1024 * 1024
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy (parse_replacement)

@@ -109,6 +109,7 @@ class GpuWelcome:
     # 0 layers: every visit takes the message path.
     lease_layers: int = 0
     lease_experts: int = 0
+    parts_min_bytes: int = 0  # a smaller decode wave is copied and computed whole (0: always in parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,7 +133,10 @@ def _tight_run(family, quantized, lanes, lease_path, models, caplog, record_prop
     path = models(family, quantized)
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
-    with _start(path, compute_lanes=lanes, lease_path=lease_path) as system:
+    # Decode waves in parts over the lanes, however small (these models' waves are far below the
+    # default decode_parts_min_bytes, under which a wave is copied and computed whole).
+    parts_always = dict(decode_parts_min_bytes=0)
+    with _start(path, compute_lanes=lanes, lease_path=lease_path, run_config=parts_always) as system:
         plan = system.plan
         assert (plan.working_slots, plan.slots_per_layer, plan.pinned_slots) == (store.top_k, 1, 0)
         assert plan.planned_bytes == tight_budget(store)
@@ -188,7 +191,10 @@ def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quant
         first = run_job(system, max_tokens=GENERATED)
         second = run_job(system, max_tokens=GENERATED)
         hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
+        job_lanes = wait_for(lambda: len(found := _lanes_of_jobs(caplog.records)) == 2 and found)
     assert max(_check_against(result, want) for result in (first, second)) <= RTOL
+    # Small waves (under decode_parts_min_bytes) are copied and computed whole: no parts.
+    assert job_lanes and all(sum(parts) == 0 for _, parts in job_lanes), job_lanes
     stats = second.done.stats
     assert stats.shared_leases > 0.3 and stats.misses > 0, stats  # both paths served the job
     assert stats.shared_leases <= stats.all_resident
