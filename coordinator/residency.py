@@ -75,23 +75,21 @@ class ExpertResidencyManager(PrefetchingCore):
 
     # -- the shared lease path --------------------------------------------
 
-    def record_hits(self, layer: int, expert_ids: Sequence[int]) -> int:
+    def record_hits(self, layer: int, expert_ids: Sequence[int]) -> None:
         """A decode visit the GPU worker leased itself through the lease words (every expert was
         resident, its slot published): what `acquire_block` and `release_fenced` of those hits do
         to the policy (recency, hit counts, the replacement policy's touch, prefetch use), without
         a lease. An expert no longer resident when this arrives (a safe point evicted it after the
         worker's lease; its slot was claimed only once the worker had left) counts as a hit and
-        touches nothing: no decision is made here. How many were still resident."""
+        touches nothing: no decision is made here."""
         if self._active and self._active_layer == layer:
             raise ResidencyError(f"layer {layer} has an active wave; a visit of it cannot be recorded now")
         unique = [require_int(expert, "expert id") for expert in expert_ids]
-        resident = 0
         for expert in unique:
             slot = self._lookup.get((layer, expert))
             record = self._slots[slot] if slot is not None else None
             if record is None or record.phase not in ("ready", "leased"):
                 continue
-            resident += 1
             self._clock += 1
             record.last_use = self._clock
             if record.prefetched:
@@ -100,7 +98,6 @@ class ExpertResidencyManager(PrefetchingCore):
         self._demand.hits += len(unique)
         self._hits += len(unique)
         self._replacement.touch(layer, unique)
-        return resident
 
     # -- safe-point policy -------------------------------------------------
 

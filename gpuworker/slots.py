@@ -194,24 +194,23 @@ def _stack_offsets(layout: tuple, first: tuple, slot_bytes: int) -> tuple[int, .
 
 
 def _slot_window_start(buffer, slot: int, slot_bytes: int) -> int:
-    """Where one slot starts in the slab buffer (checked like `_slot_window`)."""
-    _slot_window(buffer, slot, slot_bytes)
-    return int(slot) * int(slot_bytes)
-
-
-def _slot_window(buffer, slot: int, slot_bytes: int) -> np.ndarray:
-    """A uint8 numpy view (no copy) of one slot of the slab buffer."""
+    """Where one slot starts in the slab buffer, checked to lie inside it."""
     if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or slot < 0:
         raise ValueError(f"slot must be a non-negative int, got {slot!r}")
     if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, (int, np.integer)) or slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be a positive int, got {slot_bytes!r}")
-    whole = np.frombuffer(buffer, dtype=np.uint8)
+    size = memoryview(buffer).nbytes
     start = int(slot) * int(slot_bytes)
-    if start + slot_bytes > whole.size:
-        raise ValueError(
-            f"slot {slot} of {slot_bytes} bytes ends at byte {start + slot_bytes}, past the {whole.size}-byte slab"
-        )
-    return whole[start : start + slot_bytes]
+    if start + slot_bytes > size:
+        end = start + slot_bytes
+        raise ValueError(f"slot {slot} of {slot_bytes} bytes ends at byte {end}, past the {size}-byte slab")
+    return start
+
+
+def _slot_window(buffer, slot: int, slot_bytes: int) -> np.ndarray:
+    """A uint8 numpy view (no copy) of one slot of the slab buffer."""
+    start = _slot_window_start(buffer, slot, slot_bytes)
+    return np.frombuffer(buffer, dtype=np.uint8, count=int(slot_bytes), offset=start)
 
 
 def _copy_tensor(window: np.ndarray, tensor: SlotTensorLike) -> mx.array:
