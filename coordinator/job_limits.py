@@ -134,10 +134,13 @@ def validate(request: Generate, limits: FrontDoorLimits) -> tuple[str, str] | No
     """(code, message) of why a well-typed generate is refused, or None."""
     if not request.id:
         return BAD_REQUEST, "id must not be empty"
-    if (request.prompt is None) == (request.prompt_tokens is None):
-        return BAD_REQUEST, "give exactly one of prompt and prompt_tokens"
+    given = [name for name in ("prompt", "prompt_tokens", "messages") if getattr(request, name) is not None]
+    if len(given) != 1:
+        return BAD_REQUEST, f"give exactly one of prompt, prompt_tokens and messages, got {given or 'none'}"
     if request.prompt is not None and not request.prompt:
         return BAD_REQUEST, "prompt is empty"
+    if request.messages is not None and not request.messages:
+        return BAD_REQUEST, "messages is empty"
     limit, source = limits.tokens_limit()
     if request.max_tokens > limit:
         return MAX_TOKENS_TOO_LARGE, f"max_tokens is {request.max_tokens}; {_tail(limit, source)}"

@@ -237,6 +237,7 @@ class JobFrontDoor:
             job_id=job.job_id,
             prompt=request.prompt,
             prompt_tokens=request.prompt_tokens,
+            messages=request.messages,
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
@@ -279,6 +280,7 @@ class JobFrontDoor:
                 token=message.token,
                 text=message.text,
                 logprobs=message.logprobs,
+                prompt_tokens=message.prompt_tokens,
             )
             if self._send(job.identity, event):
                 job.relayed += 1

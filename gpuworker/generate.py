@@ -34,7 +34,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from shared.commands import DEFAULT_PREFILL_STEP
 from shared.gpu_messages import Job, JobDone, Token
-from shared.job_messages import CONTEXT_EXCEEDED
+from shared.job_messages import CONTEXT_EXCEEDED, ChatMessage
 
 __all__ = [
     "CANCELLED",
@@ -44,6 +44,7 @@ __all__ = [
     "GeneratedToken",
     "Generation",
     "JobRefused",
+    "chat_prompt_ids",
     "context_length",
     "encode_prompt",
     "generate",
@@ -112,14 +113,38 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
 
+def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+    """Chat messages -> ids with the tokenizer's own chat template, as `mlx_lm.server` renders them.
+
+    A tokenizer without a template gets mlx_lm.server's fallback (`convert_chat`: role prefixes).
+    """
+    turns = [{"role": message.role, "content": message.content} for message in messages]
+    if not tokenizer.has_chat_template:
+        from mlx_lm.server import convert_chat  # the server module is large: only for template-less tokenizers
+
+        return list(tokenizer.encode(convert_chat(turns)))
+    try:
+        return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True))
+    except Exception as error:  # a template may refuse a conversation (e.g. roles out of order)
+        raise JobRefused(BAD_REQUEST, f"the chat template refused the messages: {error}") from error
+
+
 def prompt_ids(
-    tokenizer, *, prompt: str | None, prompt_tokens: Sequence[int] | None, context: int | None, vocab: int | None
+    tokenizer,
+    *,
+    prompt: str | None,
+    prompt_tokens: Sequence[int] | None,
+    context: int | None,
+    vocab: int | None,
+    messages: Sequence[ChatMessage] | None = None,
 ) -> list[int]:
-    """The job's prompt as token ids (`prompt_tokens` wins), checked; JobRefused otherwise."""
+    """The job's prompt as token ids (`prompt_tokens` wins, then `messages`), checked; JobRefused otherwise."""
     if prompt_tokens is not None:
         ids = [int(token) for token in prompt_tokens]
         if vocab is not None and ids and max(ids) >= vocab:
             raise JobRefused(BAD_REQUEST, f"prompt token {max(ids)} is outside the vocabulary of {vocab}")
+    elif messages is not None:
+        ids = chat_prompt_ids(tokenizer, messages)
     elif prompt is not None:
         ids = encode_prompt(tokenizer, prompt)
     else:
@@ -250,7 +275,12 @@ def run_job(
     """Run one `job`, sending a `Token` per token; JobRefused for a prompt it cannot take."""
     context = context_length(config)
     ids = prompt_ids(
-        tokenizer, prompt=job.prompt, prompt_tokens=job.prompt_tokens, context=context, vocab=vocab_size(config)
+        tokenizer,
+        prompt=job.prompt,
+        prompt_tokens=job.prompt_tokens,
+        messages=job.messages,
+        context=context,
+        vocab=vocab_size(config),
     )
     _check_limits(job, len(ids), context)
 
@@ -264,6 +294,7 @@ def run_job(
                 text=step.text,
                 elapsed_ms=step.elapsed_ms,
                 logprobs=raw,
+                prompt_tokens=len(ids),
             )
         )
 

@@ -37,6 +37,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ from shared.job_messages import (
     StatsReply,
     StatsRequest,
     TokenEvent,
+    chat_messages,
 )
 from shared.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
 from shared.sockets import ipc_server_absent, open_socket
@@ -249,6 +251,7 @@ class Client:
         prompt: str | None = None,
         *,
         prompt_tokens: list[int] | tuple[int, ...] | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
         max_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -257,9 +260,12 @@ class Client:
         id: str | None = None,
         timeout: float | None = None,
     ) -> JobStream:
-        """Send a job now and return its event stream; exactly one of prompt / prompt_tokens."""
-        if (prompt is None) == (prompt_tokens is None):
-            raise ValueError("give exactly one of prompt and prompt_tokens")
+        """Send a job now and return its event stream; exactly one of prompt / prompt_tokens / messages.
+
+        `messages` ({"role", "content"} maps) are rendered by the GPU worker with the model's chat template.
+        """
+        if sum(given is not None for given in (prompt, prompt_tokens, messages)) != 1:
+            raise ValueError("give exactly one of prompt, prompt_tokens and messages")
         reply_timeout = self._timeout(timeout)
         job_id = self._new_id() if id is None else _check_id(id)
         tokens = None if prompt_tokens is None else _token_tuple(prompt_tokens)
@@ -268,6 +274,7 @@ class Client:
                 id=job_id,
                 prompt=prompt,
                 prompt_tokens=tokens,
+                messages=None if messages is None else chat_messages(messages),
                 max_tokens=max_tokens,
                 temperature=temperature,
                 top_p=top_p,

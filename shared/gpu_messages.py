@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from shared.job_messages import MAX_CHAT_MESSAGES, ChatMessage
 from shared.protocol import BAD_FIELD, ErrorReply, ProtocolError, make_registry, register_codec, shown, wire
 
 MAX_ROUTE_ROWS = 1 << 16  # a prefill chunk's rows
@@ -210,7 +211,7 @@ class Fenced:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """Generate up to `max_tokens` tokens; `prompt_tokens` wins over `prompt`."""
+    """Generate up to `max_tokens` tokens; `prompt_tokens` wins over `messages`, which win over `prompt`."""
 
     OP: ClassVar[str] = "job"
     job_id: int
@@ -227,6 +228,7 @@ class Job:
     # tokens plus max_tokens exceed the model's context (coordinator/job_limits.py).
     max_prompt_tokens: int | None = None
     fit_context: bool = False
+    messages: tuple[ChatMessage, ...] | None = wire(default=None, max_items=MAX_CHAT_MESSAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +246,7 @@ class Token:
     text: str = ""
     elapsed_ms: float = 0.0  # since the previous token (or since the job began)
     logprobs: bytes | None = None  # float32 little-endian, vocabulary-sized, when asked for
+    prompt_tokens: int = 0  # the job's prompt as the GPU worker tokenized it (a front's usage figures)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ missing or wrongly typed field gets `error` with `id` when one could be read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -46,9 +47,31 @@ MAX_REQUEST_BYTES = 12 * 1024 * 1024
 # ------------------------------------------------------------- requests
 
 
+MAX_CHAT_MESSAGES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One message of a chat prompt; the GPU worker renders them with the tokenizer's chat template."""
+
+    role: str = wire(max_len=64)
+    content: str = wire(default="", max_len=MAX_PROMPT_CHARS)
+
+
+def chat_messages(messages: Sequence[Mapping[str, str]]) -> tuple[ChatMessage, ...]:
+    """{"role", "content"} maps as the wire's `ChatMessage`s; ValueError naming a bad one."""
+    out = []
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content", "")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f"message {index} needs a string role and content, got {message!r}")
+        out.append(ChatMessage(role=role, content=content))
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class Generate:
-    """A generation job; exactly one of `prompt` and `prompt_tokens`."""
+    """A generation job; exactly one of `prompt`, `prompt_tokens` and `messages`."""
 
     OP: ClassVar[str] = "generate"
     id: str = wire(max_len=MAX_ID_CHARS)
@@ -59,6 +82,7 @@ class Generate:
     top_p: float = 1.0
     seed: int | None = None
     return_logprobs: bool = False  # testing aid: each `token` carries the step's log-probabilities
+    messages: tuple[ChatMessage, ...] | None = wire(default=None, max_items=MAX_CHAT_MESSAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +154,7 @@ class JobStats:
     prefetch_disabled_layers: int = 0  # layers whose prefetch stopped itself (auto)
     prefetch_steps_without: int = 0  # decode steps auto ran without prefetch (its timing trial, or a pause)
     prefetch_paused: bool = False  # auto found decode faster without prefetch (coordinator/prefetch_trial.py)
+    active_sequences: int = 0  # jobs decoding together now (cumulative stats; a job's: the most it shared with)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +165,7 @@ class TokenEvent:
     token: int
     text: str = ""
     logprobs: bytes | None = None  # float32 little-endian, vocabulary-sized, when asked for
+    prompt_tokens: int = 0  # the job's prompt as the GPU worker tokenized it (usage, before `done`)
 
 
 @dataclass(frozen=True, slots=True)
