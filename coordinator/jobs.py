@@ -1,10 +1,12 @@
 """The job front door: clients' `generate` / `cancel` / `stats` / `health` on the jobs ROUTER.
 
-A FIFO of generate requests, one running at a time. The running job is
+A FIFO of generate requests, up to `max_running` running at once (the GPU
+worker decodes them together: `--max-sequences`). A job that starts is
 forwarded to the GPU worker as a `job`; each `token` is relayed to the client
 that asked (its ROUTER identity), then `done` with the job's stats, or
-`error`. A generate that would make the queue longer than `queue_limit` is
-answered `busy` at once and nothing is queued.
+`error`. The safe point between jobs runs when no job is running. A generate
+that would make the queue longer than `queue_limit` is answered `busy` at
+once and nothing is queued.
 
 Bad input never stops the door and never half-changes it: a frame that is
 not msgpack is dropped (there is nothing to answer); a frame over
@@ -33,7 +35,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from coordinator.job_limits import DEFAULT_QUEUE_LIMIT, FrontDoorLimits, validate
@@ -113,24 +115,32 @@ class _Job:
     cancelled: bool = False  # a job_cancel was sent to the GPU worker
     failure: tuple[str, str] | None = None  # why the coordinator failed it (e.g. memory pressure)
     client_gone: bool = False
+    shared_with: int = 1  # the most jobs running at once while it ran (itself included)
 
 
 class JobFrontDoor:
     """FIFO of generate jobs over one GPU worker."""
 
-    def __init__(self, *, host: JobHost, limits: FrontDoorLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, *, host: JobHost, limits: FrontDoorLimits = DEFAULT_LIMITS, max_running: int = 1) -> None:
         self._host = host
         self._limits = limits
+        self._max_running = max_running
         self._queue: deque[_Job] = deque()
-        self._running: _Job | None = None
+        self._running: dict[int, _Job] = {}  # by job id, in the order they started
         self._next_id = 0
         self._done = 0
         self._failed = 0
-        self._finishing = False
+        self._finishing = 0  # jobs whose stats are being gathered: none starts meanwhile
 
     @property
     def running(self) -> _Job | None:
-        return self._running
+        """The oldest running job, if any."""
+        return next(iter(self._running.values()), None)
+
+    @property
+    def active(self) -> tuple[_Job, ...]:
+        """Every running job, oldest first."""
+        return tuple(self._running.values())
 
     @property
     def queued(self) -> int:
@@ -206,7 +216,7 @@ class JobFrontDoor:
         job = self._find(identity, request.id)
         if job is None:
             self._reply_error(identity, UNKNOWN_JOB, f"no queued or running job {request.id!r}", request.id)
-        elif job is self._running:
+        elif job.job_id in self._running:
             self._stop_running(job)  # its `error` (cancelled) follows when the GPU worker stops
         else:
             self._queue.remove(job)
@@ -214,24 +224,27 @@ class JobFrontDoor:
             self._reply_error(identity, CANCELLED, f"job {request.id!r} was cancelled before it started", request.id)
 
     def stats(self, request_id: str) -> StatsReply:
-        running = self._running.request.id if self._running is not None else None
+        oldest = self.running
         return StatsReply(
             id=request_id,
             jobs_done=self._done,
             jobs_failed=self._failed,
             queued=len(self._queue),
-            running=running,
-            stats=self._host.cumulative_stats(),
+            running=oldest.request.id if oldest is not None else None,
+            stats=replace(self._host.cumulative_stats(), active_sequences=len(self._running)),
             processes=self._host.processes(),
         )
 
     # ------------------------------------------------------------ the GPU
 
     def poke(self) -> None:
-        """Start the next job if none runs and the system is ready."""
-        if self._running is not None or self._finishing or not self._queue or not self._host.ready():
-            return
-        job = self._queue.popleft()
+        """Start queued jobs while fewer than `max_running` run and the system is ready."""
+        while (
+            len(self._running) < self._max_running and not self._finishing and self._queue and self._host.ready()
+        ):
+            self._start(self._queue.popleft())
+
+    def _start(self, job: _Job) -> None:
         request = job.request
         message = Job(
             job_id=job.job_id,
@@ -247,29 +260,32 @@ class JobFrontDoor:
             max_prompt_tokens=self._limits.flag_prompt_limit(),
             fit_context=self._limits.context_tokens is not None,
         )
-        self._running = job
+        self._running[job.job_id] = job
+        for running in self._running.values():
+            running.shared_with = max(running.shared_with, len(self._running))
         job.started_at = time.monotonic()
         self._host.begin_job(job.job_id)
         if not self._host.send_gpu(message):
-            self._running = None
+            del self._running[job.job_id]
             self._failed += 1
             self._reply_error(job.identity, WORKER_FAILED, "the GPU worker cannot be reached", request.id)
             return
         logger.info("job %d (%r) started", job.job_id, request.id)
 
     def fail_running(self, code: str, message: str) -> None:
-        """Fail the running job (e.g. memory pressure): the GPU worker is told to stop, the client gets `error`."""
-        job = self._running
-        if job is None or job.failure is not None:
+        """Fail the youngest running job (e.g. memory pressure: its KV cache is the newest growth);
+        the GPU worker is told to stop it, the client gets `error`."""
+        job = next((job for job in reversed(self._running.values()) if job.failure is None), None)
+        if job is None:
             return
         logger.error("failing job %d (%r): %s: %s", job.job_id, job.request.id, code, message)
         job.failure = (code, message)
         self._stop_running(job)
 
     async def on_gpu(self, message: Token | JobDone | JobError) -> None:
-        job = self._running
-        if job is None or message.job_id != job.job_id:
-            logger.warning("ignored %s for job %d: it is not the running job", message.OP, message.job_id)
+        job = self._running.get(message.job_id)
+        if job is None:
+            logger.warning("ignored %s for job %d: it is not a running job", message.OP, message.job_id)
             return
         if isinstance(message, Token):
             if job.client_gone or job.failure is not None:
@@ -290,27 +306,29 @@ class JobFrontDoor:
             await self._finish(job, None, (message.code, message.message))
 
     async def gpu_lost(self, reason: str, *, code: str = WORKER_FAILED) -> None:
-        """The GPU worker is gone (`code` says how): the running job fails; queued ones wait for a new worker."""
-        if self._running is not None:
-            await self._finish(self._running, None, (code, f"the GPU worker was lost: {reason}"))
+        """The GPU worker is gone (`code` says how): the running jobs fail; queued ones wait for a new worker."""
+        for job in list(self._running.values()):
+            await self._finish(job, None, (code, f"the GPU worker was lost: {reason}"))
 
     async def _finish(self, job: _Job, done: JobDone | None, failure: tuple[str, str] | None) -> None:
-        # No longer running (late messages for it are ignored), but the next job must not
-        # start while this one's stats are gathered and the safe point between jobs runs.
-        self._running, self._finishing = None, True
+        # No longer running (late messages for it are ignored), but no job may start while
+        # this one's stats are gathered and (when it was the last) the safe point between jobs runs.
+        self._running.pop(job.job_id, None)
+        self._finishing += 1
         try:
             try:
                 stats, problem = await self._host.end_job(job.job_id, done, job.relayed)
             except Exception as error:  # the client still gets an answer
                 logger.exception("gathering the stats of job %d failed", job.job_id)
                 stats, problem = JobStats(), f"gathering the job's stats failed: {error!r}"
-            self._answer(job, done, job.failure or failure, problem, stats)
-            try:
-                await self._host.between_jobs()
-            except Exception:  # policy upkeep must never stop the queue
-                logger.exception("the safe point after job %d failed", job.job_id)
+            self._answer(job, done, job.failure or failure, problem, replace(stats, active_sequences=job.shared_with))
+            if not self._running:
+                try:
+                    await self._host.between_jobs()
+                except Exception:  # policy upkeep must never stop the queue
+                    logger.exception("the safe point after job %d failed", job.job_id)
         finally:
-            self._finishing = False
+            self._finishing -= 1
         self.poke()
 
     def _answer(
@@ -345,8 +363,8 @@ class JobFrontDoor:
 
     def shutdown(self, code: str, message: str) -> None:
         """Answer every queued and running job with `error` (the coordinator is stopping)."""
-        jobs = ([self._running] if self._running is not None else []) + list(self._queue)
-        self._running = None
+        jobs = list(self._running.values()) + list(self._queue)
+        self._running.clear()
         self._queue.clear()
         for job in jobs:
             self._failed += 1
@@ -361,7 +379,7 @@ class JobFrontDoor:
             self._host.send_gpu(JobCancel(job_id=job.job_id))
 
     def _find(self, identity: bytes, request_id: str) -> _Job | None:
-        jobs = ([self._running] if self._running is not None else []) + list(self._queue)
+        jobs = list(self._running.values()) + list(self._queue)
         return next(
             (j for j in jobs if j.identity == identity and j.request.id == request_id and not j.client_gone), None
         )
@@ -374,11 +392,11 @@ class JobFrontDoor:
 
     def _client_gone(self, identity: bytes) -> None:
         """A send to `identity` failed: that client disconnected. Stop its work; never wait for it."""
-        job = self._running
-        if job is not None and job.identity == identity and not job.client_gone:
-            job.client_gone = True
-            self._stop_running(job)
-            logger.warning("the client of job %d (%r) disconnected; cancelling it", job.job_id, job.request.id)
+        for job in self._running.values():
+            if job.identity == identity and not job.client_gone:
+                job.client_gone = True
+                self._stop_running(job)
+                logger.warning("the client of job %d (%r) disconnected; cancelling it", job.job_id, job.request.id)
         dropped = [queued for queued in self._queue if queued.identity == identity]
         for queued in dropped:
             self._queue.remove(queued)

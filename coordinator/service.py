@@ -141,10 +141,13 @@ class Coordinator:
             flush_interval_s=config.usage_flush_s,
         )
         self.book = JobBook(leases=self.leases, manager=self.manager, meter=self.meter, timer=self.timer)
-        self.front = JobFrontDoor(host=self, limits=FrontDoorLimits.for_run(store.config, config))
+        self.front = JobFrontDoor(
+            host=self, limits=FrontDoorLimits.for_run(store.config, config), max_running=config.max_sequences
+        )
         self.io_ready = False
         self.stopping = False
         self._violations = 0
+        self._jobs: set[int] = set()  # started and not ended: the book's window is shared by them
         self._fallback_ops = 0
 
     # ------------------------------------------------------------ tasks
@@ -188,7 +191,7 @@ class Coordinator:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if self.gpu.identity is not None and not alive(self.gpu.pid):
                 await self._gpu_lost(f"GPU worker pid {self.gpu.pid} exited", expected=bool(self.gpu.leaving))
-            elif self.gpu.ready and self.front.running is not None:
+            elif self.gpu.ready and self.front.active:
                 reason = self.progress.overdue(time.monotonic())
                 if reason is not None:  # killed, then handled as lost: the job fails `worker_hung`
                     kill_hung(None, self.gpu.pid, "GPU worker", reason)
@@ -384,8 +387,10 @@ class Coordinator:
         return self.manager.prefetch_book.job_starts()
 
     def begin_job(self, job_id: int) -> None:
-        self.book.begin()
-        self._violations = self._hook_violations()
+        if not self._jobs:  # the first of a busy period; a job joining others shares their window
+            self.book.begin()
+            self._violations = self._hook_violations()
+        self._jobs.add(job_id)
 
     async def end_job(self, job_id: int, done: JobDone | None, relayed: int) -> tuple[JobStats, str | None]:
         try:
@@ -394,7 +399,13 @@ class Coordinator:
             logger.warning("I/O worker telemetry unavailable: %s", error)
             fallback = self._fallback_ops
         fallback_delta, self._fallback_ops = max(0, fallback - self._fallback_ops), fallback
+        # A job's residency figures are the book's window since the last job ended (or the busy
+        # period began): a job that ran alone gets exactly its own; overlapping jobs split the
+        # period between them, so the run's totals still add up.
+        self._jobs.discard(job_id)
         stats = self.book.end(done, relayed=relayed, wrap_path=self.gpu.wrap_path, io_fallback_ops=fallback_delta)
+        if self._jobs:
+            self.book.begin()  # the next window, of the jobs still running (a step boundary: the job's fence came)
         return stats, hook_report(self.fence_checked, job_id, since=self._violations)
 
     async def between_jobs(self) -> None:
@@ -412,8 +423,7 @@ class Coordinator:
 
     def _safe_point(self) -> None:
         """Inside a job, between two forward steps: the footprint check, and a failure if it cannot be met."""
-        job = self.front.running
-        if job is None or job.failure is not None or self.leases.held is not None or self.manager.active:
+        if not self.front.active or self.leases.held is not None or self.manager.active:
             return
         report = self.safepoints.step()
         if report is not None and report.failed:

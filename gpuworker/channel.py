@@ -3,7 +3,7 @@
 The worker is synchronous: it waits for one reply at a time (a `lease`,
 `fenced` or `error`, `wait_reply`). Whatever else arrives meanwhile is dealt
 with here: a `job_cancel` is remembered (`cancel_requested`, polled between
-tokens), a `job` is queued (`backlog`: jobs run one at a time), a frame that
+tokens), a `job` is queued (`backlog`, taken one at a time or into the batch), a frame that
 does not decode gets an `error` reply. The parent's death ends any wait
 (`ParentGone`); a stop request (SIGTERM) ends it after a grace period.
 """
@@ -51,7 +51,7 @@ class Channel:
         self.life = life
         self.stop_grace_s = stop_grace_s
         self.backlog: deque[Job] = deque()
-        self.current_job: int | None = None
+        self.running: set[int] = set()  # jobs started here and not finished (several when batched)
         self.bad_frames = 0
         self._cancelled: set[int] = set()
         self._inbox: deque[object] = deque()
@@ -105,7 +105,7 @@ class Channel:
             self.refuse(error.code, error.message)
             return
         if isinstance(message, JobCancel):
-            if message.job_id == self.current_job or any(job.job_id == message.job_id for job in self.backlog):
+            if message.job_id in self.running or any(job.job_id == message.job_id for job in self.backlog):
                 self._cancelled.add(message.job_id)
             else:
                 logger.info("job_cancel for job %d, which is not running here: ignored", message.job_id)
@@ -159,5 +159,4 @@ class Channel:
 
     def job_finished(self, job_id: int) -> None:
         self._cancelled.discard(job_id)
-        if self.current_job == job_id:
-            self.current_job = None
+        self.running.discard(job_id)

@@ -41,14 +41,18 @@ __all__ = [
     "LENGTH",
     "PROMPT_TOO_LONG",
     "STOP",
+    "ForwardHook",
     "GeneratedToken",
     "Generation",
     "JobRefused",
     "chat_prompt_ids",
+    "check_limits",
+    "check_sampling",
     "context_length",
     "encode_prompt",
     "generate",
     "job_done",
+    "job_prompt",
     "prompt_ids",
     "run_job",
     "vocab_size",
@@ -159,7 +163,7 @@ def prompt_ids(
     return ids
 
 
-def _check_limits(job: Job, prompt: int, context: int | None) -> None:
+def check_limits(job: Job, prompt: int, context: int | None) -> None:
     """The front door's limits on a prompt only this worker can count (coordinator/job_limits.py)."""
     if job.max_prompt_tokens is not None and prompt > job.max_prompt_tokens:
         raise JobRefused(
@@ -174,7 +178,15 @@ def _check_limits(job: Job, prompt: int, context: int | None) -> None:
         )
 
 
-class _Forward:
+def check_sampling(temperature: float, top_p: float) -> None:
+    """JobRefused for sampling options mlx-lm's sampler cannot take."""
+    if not temperature >= 0:
+        raise JobRefused(BAD_REQUEST, f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise JobRefused(BAD_REQUEST, f"top_p must be in (0, 1], got {top_p}")
+
+
+class ForwardHook:
     """The model as `generate_step` calls it, with `after` run once each call returned."""
 
     def __init__(self, model, after: Callable[[], None]) -> None:
@@ -206,15 +218,12 @@ def generate(
     `on_token` sees every token as it is produced; `should_stop` is asked
     between tokens (True: finish as "cancelled"; raising aborts).
     """
-    if not temperature >= 0:
-        raise JobRefused(BAD_REQUEST, f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise JobRefused(BAD_REQUEST, f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(temperature, top_p)
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temperature, top_p=top_p)  # temp 0: argmax (generate_step's default)
     cache = make_prompt_cache(model)  # the model itself: the wrapper below only forwards calls
-    forward = _Forward(model, after_forward) if after_forward is not None else model
+    forward = ForwardHook(model, after_forward) if after_forward is not None else model
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -261,6 +270,21 @@ def generate(
     return Generation(tuple(tokens), detokenizer.text, len(prompt), prefill_ms, decode_ms, finish)
 
 
+def job_prompt(job: Job, tokenizer, config: Mapping[str, Any]) -> list[int]:
+    """The job's prompt as ids, within the model's vocabulary, context and the front door's limits."""
+    context = context_length(config)
+    ids = prompt_ids(
+        tokenizer,
+        prompt=job.prompt,
+        prompt_tokens=job.prompt_tokens,
+        messages=job.messages,
+        context=context,
+        vocab=vocab_size(config),
+    )
+    check_limits(job, len(ids), context)
+    return ids
+
+
 def run_job(
     job: Job,
     *,
@@ -273,16 +297,7 @@ def run_job(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
 ) -> Generation:
     """Run one `job`, sending a `Token` per token; JobRefused for a prompt it cannot take."""
-    context = context_length(config)
-    ids = prompt_ids(
-        tokenizer,
-        prompt=job.prompt,
-        prompt_tokens=job.prompt_tokens,
-        messages=job.messages,
-        context=context,
-        vocab=vocab_size(config),
-    )
-    _check_limits(job, len(ids), context)
+    ids = job_prompt(job, tokenizer, config)
 
     def emit(step: GeneratedToken) -> None:
         raw = None if step.logprobs is None else step.logprobs.astype("<f4").tobytes()

@@ -25,6 +25,7 @@ from pathlib import Path
 import zmq
 from mlx_lm.utils import load_tokenizer
 
+from gpuworker.batch_serve import BatchJobServer
 from gpuworker.channel import Channel, ParentGone
 from gpuworker.lanes import jit_compiler_bytes, resolve_lanes
 from gpuworker.lease_client import LeaseClient
@@ -128,7 +129,8 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
         check_against_store(info, store)
     except Exception as error:
         raise SetupError(f"setup failed {step}: {type(error).__name__}: {error}") from error
-    return client, JobServer(channel, client, model, tokenizer, info, config)
+    serving = BatchJobServer if config.max_sequences > 1 else JobServer
+    return client, serving(channel, client, model, tokenizer, info, config)
 
 
 def _announce_ready(channel: Channel, server: JobServer, welcome: GpuWelcome) -> None:

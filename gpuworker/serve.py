@@ -59,7 +59,7 @@ class JobServer:
 
     def run(self, job: Job) -> None:
         channel, client = self.channel, self.client
-        channel.current_job = job.job_id
+        channel.running.add(job.job_id)
         client.reset_stats()
         try:
             if channel.cancel_requested(job.job_id):
@@ -100,7 +100,7 @@ class JobServer:
                 stats.round_trips,
                 stats.lease_wait_ms,
             )
-            logger.info("job %d lease telemetry: %s", job.job_id, _telemetry_json(generation, stats))
+            logger.info("job %d lease telemetry: %s", job.job_id, telemetry_json(generation, stats))
         except JobRefused as error:
             logger.warning("job %d refused: %s", job.job_id, error.message)
             channel.send(JobError(job_id=job.job_id, code=error.code, message=error.message))
@@ -137,7 +137,7 @@ class JobServer:
             logger.exception("could not fence the leases of the failed job")
 
 
-def _telemetry_json(generation, stats) -> str:
+def telemetry_json(generation, stats) -> str:
     """One line of JSON: the job's lease figures per (layer, phase); what benchmarks read."""
     return json.dumps(
         {
@@ -178,4 +178,4 @@ def _telemetry_json(generation, stats) -> str:
     )
 
 
-__all__ = ["MAX_ERROR_CHARS", "WORKER_FAILED", "WORKER_STOPPING", "JobServer"]
+__all__ = ["MAX_ERROR_CHARS", "WORKER_FAILED", "WORKER_STOPPING", "JobServer", "telemetry_json"]

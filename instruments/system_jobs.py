@@ -40,6 +40,7 @@ class System:
         prefetch: str = "auto",
         io_staging: str = "auto",
         lease_path: str = "shared",
+        max_sequences: int | None = None,
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
@@ -59,6 +60,7 @@ class System:
             prefetch=prefetch,
             io_staging=io_staging,
             lease_path=lease_path,
+            run_config=None if max_sequences is None else {"max_sequences": max_sequences},
         )
         self.prefetch = prefetch
         self.startup_s = time.perf_counter() - started

@@ -141,6 +141,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument(
         "--lease-path", choices=LEASE_PATHS, default="shared", help="how the GPU worker leases resident experts"
     )
+    run.add_argument(
+        "--max-sequences",
+        type=int,
+        default=None,
+        help="the systems' --max-sequences (default: the system's, 4; 1 decodes without mlx-lm's BatchGenerator)",
+    )
     run.add_argument("--disk-experts", type=int, default=64, help="experts read per disk measurement")
     run.add_argument("--skip", default="", help="comma-separated parts to skip: resident,streaming")
     run.add_argument(
@@ -225,6 +231,7 @@ class Bench:
             prefetch=self.args.prefetch,
             io_staging=self.args.io_staging,
             lease_path=self.args.lease_path,
+            max_sequences=self.args.max_sequences,
         )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the

@@ -1,7 +1,8 @@
 """Each child's command line, built and parsed in one place.
 
 The supervisor starts every child by its command line (`python -m coordinator
-...`, `python -m ioworker ...`, `python -m gpuworker ...`) and the child
+...`, `python -m ioworker ...`, `python -m gpuworker ...`, `python -m httpfront
+...`) and the child
 parses it back; both sides use the dataclass and the two functions here, so
 a flag cannot be spelled one way by the builder and another by the parser
 (`parse_*(…_argv(args)) == args`, tested). The `*_for(run)` functions derive
@@ -24,6 +25,7 @@ from shared.config import IO_MODES, MAX_COMPUTE_LANES, RunConfig, check_compute_
 from shared.gpu_messages import MAX_ROUTE_ROWS
 
 COORDINATOR_MODULE, IO_WORKER_MODULE, GPU_WORKER_MODULE = "coordinator", "ioworker", "gpuworker"
+HTTP_FRONT_MODULE = "httpfront"
 DEFAULT_PREFILL_STEP = 2048  # mlx-lm's generate_step default; <= MAX_ROUTE_ROWS / batch
 
 
@@ -155,6 +157,7 @@ class GpuWorkerArgs:
     stop_grace: float = 5.0  # after SIGTERM, how long a pending lease reply is still awaited
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     compute_lanes: int | None = None  # MLX streams for a decode wave's parts; None: auto (gpuworker.lanes)
+    max_sequences: int = 1  # jobs decoded together (>1: mlx-lm's BatchGenerator, gpuworker/batch_serve.py)
 
 
 def gpu_worker_argv(args: GpuWorkerArgs) -> list[str]:
@@ -172,6 +175,7 @@ def parse_gpu_worker_argv(argv: Sequence[str] | None = None) -> GpuWorkerArgs:
     add("--reply-timeout", type=float, default=60.0, help="seconds to wait for one lease reply")
     add("--stop-grace", type=float, default=5.0, help="seconds a pending lease reply is still awaited after SIGTERM")
     add("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
+    add("--max-sequences", type=int, default=1, help="jobs decoded together (1: one at a time)")
     add(
         "--compute-lanes",
         type=int,
@@ -185,7 +189,7 @@ def parse_gpu_worker_argv(argv: Sequence[str] | None = None) -> GpuWorkerArgs:
             check_compute_lanes(ns.compute_lanes, name="--compute-lanes")
         except ValueError as error:
             parser.error(str(error))
-    for name in ("handshake_timeout", "reply_timeout", "prefill_step_size"):
+    for name in ("handshake_timeout", "reply_timeout", "prefill_step_size", "max_sequences"):
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")
     if ns.prefill_step_size > MAX_ROUTE_ROWS:  # one chunk's routes travel in one `routes`
@@ -200,25 +204,84 @@ def parse_gpu_worker_argv(argv: Sequence[str] | None = None) -> GpuWorkerArgs:
 def gpu_worker_args_for(run: RunConfig) -> GpuWorkerArgs:
     """The GPU worker of a run."""
     return GpuWorkerArgs(
-        model=run.model_dir, endpoint=run.endpoints.gpu, log_level=run.log_level, compute_lanes=run.compute_lanes
+        model=run.model_dir,
+        endpoint=run.endpoints.gpu,
+        log_level=run.log_level,
+        compute_lanes=run.compute_lanes,
+        max_sequences=run.max_sequences,
     )
+
+
+# ------------------------------------------------------------------ HTTP front
+
+
+@dataclass(frozen=True, slots=True)
+class HttpFrontArgs:
+    listen: str  # HOST:PORT (an IPv6 host in brackets); port 0 picks a free one
+    jobs_endpoint: str  # the coordinator's job front door, which the front is a client of
+    model_id: str  # what /v1/models names the model (the model directory's name)
+    ready_file: str  # written (JSON: pid, url) once the port listens: how the supervisor sees it ready
+    server_key: str | None = None  # the front door's CURVE public key (z85) when it is a CURVE server
+    api_key_file: str | None = None  # a file holding the bearer token every request must carry (not on argv)
+    death_fd: int | None = None
+    log_level: str = "INFO"
+
+
+def http_front_argv(args: HttpFrontArgs) -> list[str]:
+    return _flags(args, [f.name for f in fields(HttpFrontArgs)])
+
+
+def parse_http_front_argv(argv: Sequence[str] | None = None) -> HttpFrontArgs:
+    parser = argparse.ArgumentParser(prog="python -m httpfront", description="The HTTP front (OpenAI API).")
+    add = parser.add_argument
+    add("--listen", required=True, metavar="HOST:PORT", help="where HTTP is served (port 0: a free port)")
+    add("--jobs-endpoint", required=True, help="the coordinator's job front door")
+    add("--model-id", required=True, help="the served model's id (/v1/models)")
+    add("--ready-file", required=True, help="written once the port listens")
+    add("--server-key", default=None, help="the job front door's CURVE public key (z85)")
+    add("--api-key-file", default=None, help="a file holding the bearer token every request must carry")
+    add("--death-fd", type=int, default=None, help="read end of the parent's death pipe")
+    add("--log-level", default="INFO")
+    ns = parser.parse_args(argv)
+    try:
+        split_host_port(ns.listen)
+    except ValueError as error:
+        parser.error(str(error))
+    return HttpFrontArgs(**vars(ns))
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (an IPv6 address in brackets: `[::1]:8080`) as (host without brackets, port);
+    ValueError naming the text otherwise. Port 0 asks for a free port."""
+    host, colon, port = text.rpartition(":")
+    bare = host.removeprefix("[").removesuffix("]")
+    if not colon or not bare or (":" in bare and not (host.startswith("[") and host.endswith("]"))):
+        raise ValueError(f"{text!r} is not HOST:PORT (an IPv6 address in brackets, e.g. [::1]:8080)")
+    if not port.isdigit() or not port.isascii() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{text!r} needs a port between 0 and 65535")
+    return bare, int(port)
 
 
 __all__ = [
     "COORDINATOR_MODULE",
     "DEFAULT_PREFILL_STEP",
     "GPU_WORKER_MODULE",
+    "HTTP_FRONT_MODULE",
     "IO_WORKER_MODULE",
     "CoordinatorArgs",
     "GpuWorkerArgs",
+    "HttpFrontArgs",
     "IOWorkerArgs",
     "child_command",
     "coordinator_argv",
     "gpu_worker_args_for",
     "gpu_worker_argv",
+    "http_front_argv",
     "io_worker_args_for",
     "io_worker_argv",
     "parse_coordinator_argv",
     "parse_gpu_worker_argv",
+    "parse_http_front_argv",
     "parse_io_worker_argv",
+    "split_host_port",
 ]

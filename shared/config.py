@@ -33,6 +33,7 @@ PREFETCH_MODES = ("auto", "on", "off")
 LEASE_PATHS = ("shared", "messages")
 STAGING_MODES = ("auto", "on", "off")  # native.staging.STAGING_REQUESTS
 TEST_HOOKS = ("scribble_fenced", "verify_fenced")
+MAX_SEQUENCES = 64  # jobs decoded together at most (each holds its KV cache in the GPU worker)
 # The residency manager's replacement policies (coordinator.replacement implements each; the one
 # knob of a policy that has one follows its name: `lrfu:16`). The system default is the best one
 # measured on real routing with scripts/replay.py; the manager's own default stays `lru`.
@@ -158,6 +159,8 @@ class RunConfig:
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_queued_per_client: int | None = None
+    # Jobs decoded together (one batched forward pass per step, gpuworker/batch_serve.py); 1: one at a time.
+    max_sequences: int = 4
     # The directory of the jobs ROUTER's CURVE key pair (shared.curve; RUN_DIR/curve); None: no CURVE.
     curve_keys: str | None = None
 
@@ -291,6 +294,8 @@ def check_config(config: RunConfig) -> RunConfig:
     for name in POSITIVE_FLOATS:
         if not getattr(config, name) > 0:
             raise ConfigError(f"{name} must be a positive number, got {getattr(config, name)!r}")
+    if not 1 <= config.max_sequences <= MAX_SEQUENCES:
+        raise ConfigError(f"max_sequences must be in 1..{MAX_SEQUENCES}, got {config.max_sequences}")
     if config.queue_limit < 1:
         raise ConfigError(f"queue_limit must be >= 1, got {config.queue_limit}")
     for name in ("max_prompt_tokens", "max_tokens", "max_queued_per_client"):

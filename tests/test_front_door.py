@@ -35,8 +35,11 @@ FOREVER = 100_000  # max_tokens of a job that only ends when cancelled
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("front-door"), family="qwen3_moe")
-    # One client may fill the queue here (the per-client share is tests/test_limits.py's).
-    limits = dict(queue_limit=QUEUE_LIMIT, max_queued_per_client=QUEUE_LIMIT, max_prompt_tokens=PROMPT_LIMIT)
+    # One client may fill the queue here (the per-client share is tests/test_limits.py's); one job
+    # runs at a time, so that a second one queues (jobs decoded together: tests/test_system_batch.py).
+    limits = dict(
+        queue_limit=QUEUE_LIMIT, max_queued_per_client=QUEUE_LIMIT, max_prompt_tokens=PROMPT_LIMIT, max_sequences=1
+    )
     with start_test_system(path, run_config=limits) as running:
         yield running
 

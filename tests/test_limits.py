@@ -28,7 +28,8 @@ SHORT = list(range(65, 75))  # 10 byte tokens
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("limits"), family="qwen3_moe", max_position_embeddings=CONTEXT)
-    limits = dict(queue_limit=QUEUE, max_prompt_tokens=PROMPT_LIMIT, max_tokens=TOKENS_LIMIT)
+    # One job at a time: the jobs after the first one queue (the per-client share is of the queue).
+    limits = dict(queue_limit=QUEUE, max_prompt_tokens=PROMPT_LIMIT, max_tokens=TOKENS_LIMIT, max_sequences=1)
     with start_test_system(path, budget="tight", io_read_delay_ms=50.0, run_config=limits) as running:
         yield running
 
@@ -132,10 +133,11 @@ def test_the_launch_flags_become_run_config_fields():
     from supervisor.options import job_limits, parse_args
 
     base = ["--model", "/m", "--memory-budget", "1GiB"]
-    options = parse_args([*base, "--max-prompt-tokens", "100", "--max-tokens", "20", "--max-queued-per-client", "3"])
-    assert job_limits(options) == dict(max_prompt_tokens=100, max_tokens=20, max_queued_per_client=3)
-    assert job_limits(parse_args(base)) == {}  # the model's context and half the queue apply
-    for flag in ("--max-prompt-tokens", "--max-tokens", "--max-queued-per-client"):
+    flags = ["--max-prompt-tokens", "100", "--max-tokens", "20", "--max-queued-per-client", "3", "--max-sequences", "2"]
+    options = parse_args([*base, *flags])
+    assert job_limits(options) == dict(max_prompt_tokens=100, max_tokens=20, max_queued_per_client=3, max_sequences=2)
+    assert job_limits(parse_args(base)) == {}  # the model's context, half the queue, 4 sequences apply
+    for flag in ("--max-prompt-tokens", "--max-tokens", "--max-queued-per-client", "--max-sequences"):
         with pytest.raises(SystemExit):
             parse_args([*base, flag, "0"])
 

@@ -232,10 +232,9 @@ def test_a_job_told_not_to_predict_predicts_nothing_and_computes_the_same(tmp_pa
 
 
 class _Channel:
-    current_job = None
-
     def __init__(self) -> None:
         self.sent = []
+        self.running: set[int] = set()
 
     def cancel_requested(self, job_id) -> bool:
         return False
