@@ -1,6 +1,7 @@
 """The supervisor's entry: `moeslab-launch` (or `python -m supervisor`, `python scripts/launch.py`).
 
     moeslab-launch --model DIR --memory-budget 8GiB [--io-workers 2] [--endpoint tcp://127.0.0.1:5555]
+        [--http 127.0.0.1:8080 [--api-key KEY]]
 
 One entry function, `run_supervisor`: setup (stop signals, stale-run
 cleanup, `start_system`: run directory, slab, children, startup handshake),
@@ -92,6 +93,7 @@ def ready_line(system: RunningSystem) -> str:
             "memory": memory,
             "pinned": [list(pair) for pair in system.config.pinned],
             "curve_public_key": system.curve_public_key,  # null: no CURVE; else what clients pass as --server-key
+            "http": system.http_url,  # null: no HTTP front; else http://HOST:PORT (the port it really listens on)
         }
     )
 
@@ -165,6 +167,8 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 run_config={**job_limits(options), "supervisor_pid": os.getpid()},
                 curve=options.curve,
                 curve_keys=options.curve_keys,
+                http=options.http,
+                api_key=options.api_key,
                 cancel=lambda: life.stop_requested,
             )
             release_startup_lines()
@@ -174,6 +178,8 @@ def run_supervisor(options: SupervisorOptions) -> int:
             except BrokenPipeError:
                 logger.warning("stdout is closed; the ready line was not delivered")
             logger.info("ready: jobs at %s, run directory %s", system.endpoint, system.run_dir)
+            if system.http_url is not None:
+                logger.info("serving the OpenAI API at %s/v1", system.http_url)
             watcher = Watcher(system, options, life, context)
             return watcher.run()
         except LaunchCancelled:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.config import (
     DEFAULT_REPLACEMENT,
@@ -18,6 +18,7 @@ from shared.config import (
     parse_replacement,
 )
 from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, parse_size
+from supervisor.http_child import check_http
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DESCRIPTION = "The supervisor: `moeslab-launch` (or `python scripts/launch.py`) starts and watches a whole system."
@@ -62,6 +63,8 @@ class SupervisorOptions:
     test_hooks: tuple[str, ...] = ()
     curve: bool = False  # the jobs endpoint a CURVE server with a key pair made for this run
     curve_keys: str | None = None  # ... or with the pair in this directory (shared.curve)
+    http: str | None = None  # HOST:PORT of the HTTP front (the OpenAI API); None: no HTTP front
+    api_key: str | None = field(default=None, repr=False)  # the bearer token the HTTP front requires
 
 
 def job_limits(options: SupervisorOptions) -> dict[str, int]:
@@ -225,6 +228,14 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
     curve.add_argument(
         "--curve-keys", default=None, metavar="DIR", help="like --curve with DIR/server.key_secret (mode 0600)"
     )
+    add(
+        "--http",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) "
+        "on HOST:PORT (port 0: a free one, named in the ready line); a host other than loopback needs --api-key",
+    )
+    add("--api-key", default=None, metavar="KEY", help="with --http: every request needs 'Authorization: Bearer KEY'")
     add("--usage-file", default=None, metavar="PATH", help="the expert usage ledger")
     add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
     add("--kv-reserve", type=_size, default=DEFAULT_KV_RESERVE_BYTES, metavar="SIZE")
@@ -242,6 +253,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
     add("--test-io-read-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add("--test-hooks", default="", help=argparse.SUPPRESS)  # comma-separated coordinator test hooks
     ns = parser.parse_args(argv)
+    if ns.api_key is not None and ns.http is None:
+        parser.error("--api-key is for the HTTP front: add --http HOST:PORT")
+    if ns.http is not None:
+        try:
+            check_http(ns.http, ns.api_key)
+        except ValueError as error:
+            parser.error(str(error))
     if ns.endpoint is not None:
         try:
             check_jobs_endpoint(ns.endpoint, curve=ns.curve or ns.curve_keys is not None)
@@ -274,6 +292,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook),
         curve=ns.curve,
         curve_keys=ns.curve_keys,
+        http=ns.http,
+        api_key=ns.api_key,
     )
 
 

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -149,6 +150,23 @@ def _unlink_segment(name: str) -> bool:
         return False
 
 
+def remove_run(slab_name: str | None, created: Sequence[str], owned_run_dir: str | None) -> None:
+    """At a run's stop: unlink its slab, remove what its launch created (files, RUN_DIR/curve), and
+    the run directory itself when the launch made it (`owned_run_dir`)."""
+    if slab_name is not None:
+        try:
+            posix_ipc.unlink_shared_memory(slab_name)
+        except posix_ipc.ExistentialError:
+            pass
+    for path in created:
+        if path and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path and os.path.lexists(path):
+            os.unlink(path)
+    if owned_run_dir:
+        shutil.rmtree(owned_run_dir, ignore_errors=True)
+
+
 def clean_stale_runs(parent: str | os.PathLike[str] | None = None) -> StaleReport:
     """Remove the segments and run directories of dead runs under `parent` (default: the temp dir)."""
     root = os.fspath(parent) if parent is not None else tempfile.gettempdir()
@@ -209,6 +227,7 @@ __all__ = [
     "clean_stale_runs",
     "process_start",
     "read_run_record",
+    "remove_run",
     "run_is_live",
     "write_run_record",
 ]

@@ -11,8 +11,9 @@ slab, so a crash never leaves a segment nobody can attribute), the slab,
 `shared.commands`) and `manifest.json`, spawns every child with its own
 death pipe, and waits until the coordinator's `health` says ready, while
 watching every child: one that exits or stalls fails the launch
-(`LaunchError`) with its name, exit code and last stderr lines. `respawn()`
-replaces a dead I/O or GPU worker, `restart_all()` every child (the
+(`LaunchError`) with its name, exit code and last stderr lines; with `http`,
+the HTTP front first (`supervisor.http_child`). `respawn()` replaces a dead
+I/O or GPU worker or HTTP front, `restart_all()` every child (the
 coordinator holds all policy state, so its workers' sessions die with it).
 `stop()` terminates the children, unlinks the slab and removes what the
 launch created. `supervisor.main` drives all of this.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -31,8 +31,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import posix_ipc
 
 from shared.children import ChildProcess, spawn_child, stop_children
 from shared.commands import (
@@ -69,11 +67,12 @@ from shared.job_messages import HealthReply
 from shared.plan import ExpertResidencyPlan
 from shared.process_table import role_key, write_process_table
 from shared.slab import Slab, new_slab_name
-from shared.sockets import ipc_path
+from shared.sockets import ipc_path, remove_ipc_file
 from shared.store import ExpertStore
 from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, check_pins, choose_pins, plan_budget
+from supervisor.http_child import HTTP_FRONT, HttpFrontChild, HttpServing, check_http
 from supervisor.readiness import COORDINATOR, GPU_WORKER, LaunchError, ask_health, io_worker_name, wait_until_ready
-from supervisor.rundir import write_run_record
+from supervisor.rundir import remove_run, write_run_record
 
 logger = logging.getLogger("moeslab.launch")
 
@@ -86,6 +85,7 @@ class _Launch:
     gpu_command: tuple[str, ...] | None  # replaces `python -m gpuworker` (tests)
     jobs_endpoint: str | None
     curve: CurveKeys | None = None  # the jobs endpoint's CURVE server key pair (written to RUN_DIR/curve)
+    http: HttpServing | None = None  # the HTTP front's address and API key (supervisor/http_child.py)
 
 
 class RunningSystem:
@@ -110,6 +110,7 @@ class RunningSystem:
         self._created: list[str] = []
         self.restarts: dict[str, int] = {}  # child name -> times restarted (the process table's counts)
         self._stopped = False
+        self.http: HttpFrontChild | None = None
 
     # ------------------------------------------------------------ public
 
@@ -123,6 +124,10 @@ class RunningSystem:
     def curve_public_key(self) -> str | None:
         """The CURVE server key (z85) a client of the jobs endpoint needs; None without CURVE."""
         return None if self._launch.curve is None else self._launch.curve.server_public.decode()
+
+    @property
+    def http_url(self) -> str | None:  # http://HOST:PORT, once the HTTP front listens
+        return None if self.http is None else self.http.url
 
     @property
     def pids(self) -> dict[str, int]:
@@ -198,7 +203,9 @@ class RunningSystem:
         self._created.append(config_path)
         self.config = config
         self._created += sockets
-        self._spawn_all()
+        self.http = None if self._launch.http is None else HttpFrontChild(self._launch.http, self.run_dir)
+        self._created += self.http.prepare() if self.http is not None else []
+        self._spawn_all(cancel)
         self._wait_ready(cancel)
         logger.info("system ready in %s: %s", self.run_dir, self.pids)
 
@@ -217,10 +224,16 @@ class RunningSystem:
             if launch.gpu_command
             else child_command(GPU_WORKER_MODULE, gpu, python=launch.python)
         )
+        if self.http is not None:
+            commands[HTTP_FRONT] = self.http.command(config, server_key=self.curve_public_key, python=launch.python)
         return {name: (lambda name=name, argv=argv: spawn_child(name, argv)) for name, argv in commands.items()}
 
-    def _spawn_all(self) -> None:
-        for spawn in self._spawners().values():
+    def _spawn_all(self, cancel: Callable[[], bool] | None) -> None:
+        spawners = self._spawners()
+        if self.http is not None:  # listening (libraries loaded) before the coordinator measures the processes
+            self.children.append(spawners.pop(HTTP_FRONT)())
+            self.http.wait_ready(self.children[-1], timeout=self._fields["start_timeout_s"], cancel=cancel)
+        for spawn in spawners.values():
             self.children.append(spawn())
         self._record_processes()
 
@@ -252,7 +265,7 @@ class RunningSystem:
     # ------------------------------------------------------------ restarts
 
     def respawn(self, child: ChildProcess) -> ChildProcess:
-        """Start a new I/O or GPU worker in the place of `child`, which has exited."""
+        """Start a new I/O or GPU worker or HTTP front in the place of `child`, which has exited."""
         if child.exit_code is None:
             raise ValueError(f"{child.name} (pid {child.pid}) is still running")
         if child.name == COORDINATOR:
@@ -280,10 +293,8 @@ class RunningSystem:
         self.children.clear()
         assert self.config is not None
         for endpoint in (self.config.endpoints.io, self.config.endpoints.gpu, self.config.endpoints.jobs):
-            path = ipc_path(endpoint)
-            if path and os.path.lexists(path):
-                os.unlink(path)
-        self._spawn_all()
+            remove_ipc_file(endpoint)
+        self._spawn_all(cancel)
         self._wait_ready(cancel)
         logger.info("system restarted: %s", self.pids)
 
@@ -295,7 +306,8 @@ class RunningSystem:
         The GPU worker first: it ends its job at the next lease reply (the coordinator is still
         there to answer and to relay the job's error), fences and exits. Then the coordinator:
         it answers queued jobs, flushes the ledger and tells the I/O workers to exit, while they
-        can still finish the loads it waits for. Then whatever I/O workers are left."""
+        can still finish the loads it waits for. Then whatever I/O workers are left, and the HTTP
+        front (last: it has relayed the door's answers to its own clients)."""
         if self._stopped:
             return
         self._stopped = True
@@ -312,18 +324,7 @@ class RunningSystem:
                 if child.process.returncode not in (0, -signal.SIGTERM):  # SIGTERM before its handler was set
                     logger.warning("%s", child.describe())
         finally:
-            if self._slab_name is not None:
-                try:
-                    posix_ipc.unlink_shared_memory(self._slab_name)
-                except posix_ipc.ExistentialError:
-                    pass
-            for path in self._created:
-                if path and os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)  # RUN_DIR/curve
-                elif path and os.path.lexists(path):
-                    os.unlink(path)
-            if self._owns_run_dir and self.run_dir:
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+            remove_run(self._slab_name, self._created, self.run_dir if self._owns_run_dir else None)
 
 
 def start_system(
@@ -356,6 +357,8 @@ def start_system(
     cancel: Callable[[], bool] | None = None,
     curve: bool = False,
     curve_keys: str | os.PathLike[str] | None = None,
+    http: str | None = None,
+    api_key: str | None = None,
 ) -> RunningSystem:
     """Start coordinator, `io_workers` I/O workers and the GPU worker for `model_dir`; ready on return.
 
@@ -371,10 +374,12 @@ def start_system(
     `RunConfig` fields (the coordinator's policy knobs, e.g. `queue_limit`, `usage_flush_s`).
     `cancel` is polled while waiting for readiness: True stops the launch (`LaunchCancelled`), with
     everything it created removed. `curve`: the jobs endpoint is a CURVE server with a fresh key pair;
-    `curve_keys`: ... with the pair in that directory (`shared.curve.load_server_keys`).
+    `curve_keys`: ... with the pair in that directory (`shared.curve.load_server_keys`). `http`:
+    HOST:PORT the HTTP front serves the OpenAI API on (`api_key`: the bearer token it requires).
     """
-    if io_mode not in IO_MODES:
-        raise ValueError(f"io_mode must be one of {IO_MODES}, got {io_mode!r}")
+    for name, choice, allowed in (("io_mode", io_mode, IO_MODES), ("prefetch", prefetch, PREFETCH_MODES)):
+        if choice not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {choice!r}")
     hooks = tuple(test_hooks)
     if any(hook not in TEST_HOOKS for hook in hooks):
         raise ValueError(f"unknown test hook(s) {[h for h in hooks if h not in TEST_HOOKS]}; known: {list(TEST_HOOKS)}")
@@ -382,11 +387,10 @@ def start_system(
         raise ValueError(f"io_workers must be a positive integer, got {io_workers!r}")
     if compute_lanes is not None:
         check_compute_lanes(compute_lanes)
-    if prefetch not in PREFETCH_MODES:
-        raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
     parse_replacement(replacement)
     if lease_path not in LEASE_PATHS:
         raise ValueError(f"lease_path must be one of {LEASE_PATHS}, got {lease_path!r}")
+    serving = None if http is None else check_http(http, api_key)
     keys = load_server_keys(curve_keys) if curve_keys is not None else new_server_keys() if curve else None
     endpoint = None if jobs_endpoint is None else check_jobs_endpoint(jobs_endpoint, curve=keys is not None)
     store = ExpertStore.open(model_dir, block_size=block_size)
@@ -425,9 +429,8 @@ def start_system(
         test_io_read_delay_ms=float(io_read_delay_ms) if io_read_delay_ms else None,
         **(run_config or {}),
     )
-    launch = _Launch(
-        python=python, gpu_command=tuple(gpu_command) if gpu_command else None, jobs_endpoint=endpoint, curve=keys
-    )
+    gpu = tuple(gpu_command) if gpu_command else None
+    launch = _Launch(python=python, gpu_command=gpu, jobs_endpoint=endpoint, curve=keys, http=serving)
     system = RunningSystem(
         store=store,
         plan=plan,

@@ -3,6 +3,8 @@
 - a dead I/O worker is restarted with its index (the coordinator's backend
   has already re-submitted its in-flight loads to a live worker);
 - a dead GPU worker is restarted (the coordinator has failed its job);
+- a dead HTTP front is restarted on the same port (its clients' requests
+  died with it; the door cancels their jobs when it cannot reach it);
 - a dead coordinator takes every session with it: all children restart;
 - each child may be restarted at most `--max-restarts` times per
   `--restart-window` seconds, with a growing pause; one more death stops the
@@ -35,6 +37,7 @@ from shared.job_messages import CLIENT_ACCEPTS, HealthReply, HealthRequest
 from shared.process import ProcessLife
 from shared.protocol import ProtocolError, decode, encode
 from shared.sockets import open_socket
+from supervisor.http_child import HTTP_FRONT
 from supervisor.options import SupervisorOptions
 from supervisor.readiness import COORDINATOR, GPU_WORKER, LaunchCancelled, LaunchError
 from supervisor.system import RunningSystem
@@ -200,8 +203,16 @@ class Watcher:
         never kill a healthy child."""
         if not self.unready:
             return
+        front = self.system.http
+        if HTTP_FRONT in self.unready and front is not None:  # ready when it listens, whatever health says
+            child = next(c for c in self.system.children if c.name == HTTP_FRONT)
+            if front.ready(child.pid):
+                del self.unready[HTTP_FRONT]
+                logger.info("%s is ready again at %s", HTTP_FRONT, front.url)
         for reply, asked in replies:
             for name, state in list(self.unready.items()):
+                if name == HTTP_FRONT:
+                    continue
                 up = reply.gpu_worker if name == GPU_WORKER else reply.io_workers == self.system.io_workers
                 if not up:
                     self.unready[name] = replace(state, seen_down=True)

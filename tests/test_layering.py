@@ -4,8 +4,8 @@ Imports are read with `ast` from every product module, wherever they stand:
 module level, inside functions, and inside `if TYPE_CHECKING:` blocks.
 
 - `shared/` and `native/` are the ground floor: they import no process package;
-- the process packages (`coordinator/`, `ioworker/`, `gpuworker/`, `supervisor/`) never
-  import one another: they meet only through `shared/` types and the wire;
+- the process packages (`coordinator/`, `ioworker/`, `gpuworker/`, `supervisor/`, `httpfront/`)
+  never import one another: they meet only through `shared/` types and the wire;
 - no import cycle between product modules;
 - no Python file outside `tests/` over 450 lines;
 - in `tests/`: every file is a test module (`test_*.py`), `conftest.py` or a helper in
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PROCESSES = ("coordinator", "ioworker", "gpuworker", "supervisor")
+PROCESSES = ("coordinator", "ioworker", "gpuworker", "supervisor", "httpfront")
 GROUND = ("shared", "native")
 PRODUCT = (*PROCESSES, *GROUND, "instruments")
 MAX_LINES = 450
@@ -122,7 +122,9 @@ def test_a_process_package_imports_no_other_process_package(package):
     )
 
 
-@pytest.mark.parametrize("entry", ["supervisor.main", "coordinator.main", "ioworker.main", "shared.cli_send"])
+@pytest.mark.parametrize(
+    "entry", ["supervisor.main", "coordinator.main", "ioworker.main", "httpfront.main", "shared.cli_send"]
+)
 def test_a_process_that_never_computes_does_not_load_mlx(entry):
     """Every byte a process maps counts in the memory budget (coordinator/footprint.py): MLX (and
     mlx-lm, transformers) belong to the GPU worker alone."""

@@ -7,7 +7,8 @@ a private directory under the test's tmp_path, so default run directories and st
 cleanup stay inside the test.
 
 - `spawn_supervisor(tmp_path, args)`: start it, no waiting; `launch(...)`: start it and wait for
-  its ready line (or, for a refusal, its exit). Both return a `Launched`.
+  its ready line (or, for a refusal, its exit). Both return a `Launched`; `shared=True` leaves it
+  running after the test (a module fixture's system, stopped by the fixture).
 - `model_args(model)`: the launch flags of the tight plan over a tiny model.
 - `tiny_model(factory)`, `oracle_tokens(model)`: the model every supervisor test runs, and
   mlx-lm's greedy tokens for it.
@@ -149,8 +150,9 @@ def model_args(model: Path, *, budget: int | None = None) -> list[str]:
     ]
 
 
-def spawn_supervisor(tmp_path: Path, args: list[str], *, name: str = "supervisor") -> Launched:
-    """Start `scripts/launch.py ARGS` (stdout a pipe, stderr to `tmp_path/NAME.log`); no waiting."""
+def spawn_supervisor(tmp_path: Path, args: list[str], *, name: str = "supervisor", shared: bool = False) -> Launched:
+    """Start `scripts/launch.py ARGS` (stdout a pipe, stderr to `tmp_path/NAME.log`); no waiting.
+    `shared`: a module fixture's supervisor, which outlives each test (the fixture stops it)."""
     log = tmp_path / f"{name}.log"
     with open(log, "wb") as stderr:
         process = subprocess.Popen(
@@ -162,7 +164,8 @@ def spawn_supervisor(tmp_path: Path, args: list[str], *, name: str = "supervisor
             env=supervisor_env(tmp_path),
         )
     launched = Launched(process, None, log)
-    _STARTED.append(launched)
+    if not shared:
+        _STARTED.append(launched)
     return launched
 
 
@@ -173,9 +176,11 @@ def launch(
     expect_ready: bool = True,
     name: str = "supervisor",
     timeout: float = READY_TIMEOUT,
+    shared: bool = False,
 ) -> Launched:
-    """Start `scripts/launch.py ARGS`; wait for its ready line (or, if not expected, for its exit)."""
-    launched = spawn_supervisor(tmp_path, args, name=name)
+    """Start `scripts/launch.py ARGS`; wait for its ready line (or, if not expected, for its exit).
+    `shared`: see `spawn_supervisor`."""
+    launched = spawn_supervisor(tmp_path, args, name=name, shared=shared)
     process = launched.process
     if not expect_ready:
         launched.wait(timeout=timeout)
