@@ -239,9 +239,7 @@ class JobFrontDoor:
 
     def poke(self) -> None:
         """Start queued jobs while fewer than `max_running` run and the system is ready."""
-        while (
-            len(self._running) < self._max_running and not self._finishing and self._queue and self._host.ready()
-        ):
+        while len(self._running) < self._max_running and not self._finishing and self._queue and self._host.ready():
             self._start(self._queue.popleft())
 
     def _start(self, job: _Job) -> None:

@@ -197,10 +197,21 @@ class LeaseService:
         refused one raises `LeaseRefused` (the caller logs it: no reply is owed unless it fences)."""
         what = f"visited of layers {list(message.layers)[:8]}"
         routes = message.routes.array if message.routes is not None else np.zeros((0, 0), dtype=np.int32)
-        if routes.shape[0] != len(message.layers):
-            raise _refuse(f"{what}: {routes.shape[0]} route rows for {len(message.layers)} visits")
-        for index, layer in enumerate(message.layers):
-            self._check_routes(layer, routes[index : index + 1])
+        counts = message.visit_rows or (1,) * len(message.layers)
+        if len(counts) != len(message.layers) or min(counts, default=1) < 1:
+            raise _refuse(
+                f"{what}: visit_rows {list(counts)[:8]} do not give rows to each of {len(message.layers)} visits"
+            )
+        if routes.shape[0] != sum(counts):
+            raise _refuse(f"{what}: {routes.shape[0]} route rows for visits of {sum(counts)}")
+        ends = np.cumsum(counts).tolist()
+        rows = [routes[end - count : end] for end, count in zip(ends, counts)]
+        uniques = []
+        for layer, visit_routes in zip(message.layers, rows):
+            self._check_routes(layer, visit_routes)
+            uniques.append(list(dict.fromkeys(visit_routes.reshape(-1).tolist())))  # first seen: a wave's order
+            if len(uniques[-1]) > self._working:
+                raise _refuse(f"{what}: layer {layer} names {len(uniques[-1])} experts; a wave holds {self._working}")
         for prediction in message.predictions:
             if not 0 <= prediction.visit < len(message.layers):
                 raise _refuse(f"{what}: a prediction names visit {prediction.visit} of {len(message.layers)}")
@@ -211,8 +222,7 @@ class LeaseService:
             self._release(held, ended=True)
         predictions = {prediction.visit: prediction for prediction in message.predictions}
         for index, layer in enumerate(message.layers):
-            row = routes[index : index + 1]
-            experts = list(dict.fromkeys(row.reshape(-1).tolist()))  # unique, in rank order
+            row, experts = rows[index], uniques[index]
             self._open_visit(layer, row, experts)
             self._counts.all_resident_visits += 1
             self._counts.shared_visits += 1

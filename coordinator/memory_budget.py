@@ -29,6 +29,7 @@ from shared.plan import ExpertResidencyPlan, plan_after_baseline
 from shared.process_table import read_process_table
 
 logger = logging.getLogger("coordinator")
+HTTP_FRONT_ROLE = "http_front"  # its process table key (supervisor/http_child.py: role_key("HTTP front"))
 
 
 class BudgetRefused(ValueError):
@@ -37,12 +38,17 @@ class BudgetRefused(ValueError):
 
 def system_roles(config: RunConfig, io_pids: Mapping[int, int], gpu_pid: int | None) -> dict[str, int]:
     """The processes whose memory counts, by role: the supervisor (when counted), the coordinator
-    (this process), the I/O workers, the ready GPU worker."""
+    (this process), the I/O workers, the ready GPU worker, and the HTTP front when the supervisor's
+    process table names one (it is the supervisor's child, but counts in its own right, also when
+    a program embeds the system and the supervisor itself is not counted)."""
     roles = {"supervisor": config.supervisor_pid} if config.supervisor_pid else {}
     roles["coordinator"] = os.getpid()
     roles |= {f"io_worker_{index}": pid for index, pid in sorted(io_pids.items())}
     if gpu_pid is not None:
         roles["gpu_worker"] = gpu_pid
+    http = next((info.pid for info in read_process_table(config.run_dir) if info.name == HTTP_FRONT_ROLE), None)
+    if http:
+        roles[HTTP_FRONT_ROLE] = http
     return roles
 
 

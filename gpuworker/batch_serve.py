@@ -18,6 +18,15 @@ job's life (shared with the rows it ran beside); its telemetry line is the
 client's since the batch last went idle, which for a job that ran alone is
 that job's own. `seed` reseeds MLX's one global generator when the job joins:
 a seeded job reproduces its tokens only when it decodes alone.
+
+A job that arrives while nothing decodes runs alone through mlx-lm's
+`generate_step` (the single-sequence path, ~9% faster per token than a
+batch of one here: no batch mask or per-row bookkeeping per layer). When
+another job arrives it hands over at a token boundary: its KV cache, less
+the last token's entry, joins the batch with that last token as its prompt,
+so the batch recomputes the step `generate_step` had already run ahead and
+the row continues exactly. Only for models whose caches are plain
+`KVCache`s (trimmable at any length); others go to the batch at once.
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from gpuworker.channel import ParentGone, WorkerStopping
@@ -63,6 +73,8 @@ class _Row:
     started: float
     previous: float
     lease_start: tuple[int, float, float]  # the client's (bytes copied, copy ms, lease wait ms) when it joined
+    ids: list[int]
+    sampler: object
     tokens: list[int] = field(default_factory=list)
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
@@ -76,6 +88,8 @@ class BatchJobServer(JobServer):
         self.rows: dict[int, _Row] = {}  # by BatchGenerator uid
         self._greedy = make_sampler(0.0)  # one object: rows sharing it are sampled in one call
         self._generator: BatchGenerator | None = None
+        # A job alone runs single-sequence when its cache can hand over to the batch (see above).
+        self._solo = all(type(cache) is KVCache for cache in make_prompt_cache(self.model))
 
     def _new_generator(self) -> BatchGenerator:
         size = max(1, self.config.max_sequences)
@@ -91,8 +105,15 @@ class BatchJobServer(JobServer):
     def serve(self) -> None:
         try:
             while not self.channel.stop_requested():
+                if self._solo and not self.rows and self.channel.backlog:
+                    row = self.prepare(self.channel.backlog.popleft())
+                    if row is not None:
+                        self.run_alone(row)
+                    continue
                 while self.channel.backlog and len(self.rows) < self.config.max_sequences:
-                    self.admit(self.channel.backlog.popleft())
+                    row = self.prepare(self.channel.backlog.popleft())
+                    if row is not None:
+                        self.join(row, row.ids)
                 if not self.rows:
                     for stray in self.channel.idle_messages(1.0):
                         self.stray(stray)
@@ -108,12 +129,13 @@ class BatchJobServer(JobServer):
 
     # -- rows joining and leaving -------------------------------------------------------------
 
-    def admit(self, job: Job) -> None:
+    def prepare(self, job: Job) -> _Row | None:
+        """The job's row, or None when it was cancelled or refused (and answered)."""
         channel, client = self.channel, self.client
         if channel.cancel_requested(job.job_id):
             channel.send(JobDone(job_id=job.job_id, tokens=(), finish_reason=CANCELLED))
             channel.job_finished(job.job_id)
-            return
+            return None
         try:
             check_sampling(job.temperature, job.top_p)
             ids = job_prompt(job, self.tokenizer, self.info.config)
@@ -121,32 +143,90 @@ class BatchJobServer(JobServer):
             logger.warning("job %d refused: %s", job.job_id, error.message)
             channel.send(JobError(job_id=job.job_id, code=error.code, message=error.message))
             channel.job_finished(job.job_id)
-            return
+            return None
         if not self.rows:
-            client.reset_stats()  # the batch was idle: the telemetry starts over
+            client.reset_stats()  # nothing decoded: the telemetry starts over
         if self.info.prediction is not None:  # next-layer prediction runs only for single-row decode
             self.info.prediction.on = job.predict
         if job.seed is not None:
             mx.random.seed(job.seed)
-        sampler = self._greedy if job.temperature == 0 else make_sampler(job.temperature, top_p=job.top_p)
-        if self._generator is None:
-            self._generator = self._new_generator()
-        (uid,) = self._generator.insert(
-            [ids], max_tokens=[job.max_tokens], caches=[make_prompt_cache(self.model)], samplers=[sampler]
-        )
         stats, now = client.stats(), time.perf_counter()
-        self.rows[uid] = _Row(
+        channel.running.add(job.job_id)
+        return _Row(
             job=job,
-            uid=uid,
+            uid=-1,
             prompt_tokens=len(ids),
             detokenizer=self.tokenizer.detokenizer,  # a fresh one per call
             eos=frozenset(self.tokenizer.eos_token_ids),
             started=now,
             previous=now,
             lease_start=(stats.bytes_copied, stats.copy_ms, stats.lease_wait_ms),
+            ids=ids,
+            sampler=self._greedy if job.temperature == 0 else make_sampler(job.temperature, top_p=job.top_p),
         )
-        channel.running.add(job.job_id)
-        logger.info("job %d joins the batch (%d rows): up to %d tokens", job.job_id, len(self.rows), job.max_tokens)
+
+    def join(self, row: _Row, prompt: list[int], cache: list | None = None) -> None:
+        """The row becomes one of the batch's (its prompt prefilled at the next step)."""
+        if self._generator is None:
+            self._generator = self._new_generator()
+        (row.uid,) = self._generator.insert(
+            [prompt],
+            max_tokens=[row.job.max_tokens - len(row.tokens)],
+            caches=[cache if cache is not None else make_prompt_cache(self.model)],
+            samplers=[row.sampler],
+        )
+        self.rows[row.uid] = row
+        logger.info(
+            "job %d joins the batch (%d rows) after %d tokens alone: up to %d more",
+            row.job.job_id,
+            len(self.rows),
+            len(row.tokens),
+            row.job.max_tokens - len(row.tokens),
+        )
+
+    def run_alone(self, row: _Row) -> None:
+        """`generate_step` for a job alone, until it ends or another job arrives (then it joins the batch)."""
+        job, cache = row.job, make_prompt_cache(self.model)
+        self.rows[row.uid] = row
+        steps = generate_step(
+            mx.array(row.ids),
+            ForwardHook(self.model, lambda: self.client.end_step(wait=False)),
+            max_tokens=job.max_tokens,
+            sampler=row.sampler,
+            prompt_cache=cache,
+            prefill_step_size=self.config.prefill_step_size,
+        )
+        handover: int | None = None
+        try:
+            for token, logprobs in steps:
+                self.on_token(
+                    row, SimpleNamespace(token=token, finish_reason=None, logprobs=logprobs), time.perf_counter()
+                )
+                if row.uid not in self.rows:
+                    return  # it ended (EOS or max_tokens)
+                if self.channel.stop_requested():
+                    raise WorkerStopping("stop requested")
+                if self.channel.cancel_requested(job.job_id):
+                    self.finish(row, CANCELLED)
+                    return
+                if self.channel.backlog:
+                    handover = token
+                    break
+        except (ParentGone, KeyboardInterrupt):
+            raise
+        except WorkerStopping as error:
+            self.fail_all(WORKER_STOPPING, f"the GPU worker is stopping: {error}", error)
+            return
+        except Exception as error:
+            logger.exception("job %d failed", job.job_id)
+            self.fail_all(WORKER_FAILED, f"{type(error).__name__}: {error}", error)
+            return
+        finally:
+            steps.close()  # no step runs after this
+        del self.rows[row.uid]
+        # generate_step ran the step after `handover` ahead: its cache holds that token's entry.
+        trim_prompt_cache(cache, 1)
+        self.join(row, [handover], cache)
 
     def drop_cancelled(self) -> None:
         for row in list(self.rows.values()):

@@ -73,6 +73,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         compute_lanes: int = 1,
         words: LeaseWords | None = None,
         parts_min_bytes: int = 0,
+        batch_rows: int = 1,
     ) -> None:
         if working_slots < 1:
             raise ValueError(f"working_slots must be >= 1, got {working_slots}")
@@ -90,6 +91,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         # A decode wave smaller than this is copied and computed whole: each part costs an
         # evaluation's dispatch, which outweighs a small copy it would hide (gpuworker.lanes).
         self.parts_min_bytes = int(parts_min_bytes)
+        self.batch_rows = max(1, int(batch_rows))  # a decode step's route rows (sequences decoded together)
         self._sent = 0  # messages sent that may change residency (the coordinator counts them too)
         self._visited_layers: list[int] = []  # shared-path visits not yet told (`visited`)
         self._visited_rows: list[np.ndarray] = []
@@ -102,9 +104,14 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         # The copy path writes each leased slot once, straight into stacked arrays of this pool.
         # Decode waves (top-k experts) reuse one pooled set; larger (prefill) waves get fresh buffers.
         top_k = getattr(store, "top_k", None) or 8
-        # Sets alive at once: a decode wave's parts and a whole wave (one more for slack).
+        # Sets alive at once: a decode wave's parts and a whole wave (one more for slack), and a
+        # batched decode wave of up to `batch_rows` rows' experts.
         sets = len(decode_parts(range(top_k), lanes=compute_lanes)) + 2
-        self._stack_pool = StackBuffers(max_pooled=top_k, max_sets=sets) if self.wrap_path == COPY else None
+        self._stack_pool = (
+            StackBuffers(max_pooled=top_k, max_sets=sets + 1, max_rows=top_k * batch_rows)
+            if self.wrap_path == COPY
+            else None
+        )
         self._pending: list[mx.array] = []  # outputs of detached waves that may still read the pool
         self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet
         self._stats = LeaseCounters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
@@ -140,7 +147,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         if self._visit is not None or (self._unsent is not None and not self._unsent_last):
             # A visit the module left unfinished (it always fences every wave): end it first.
             self.release()
-        if self.words is not None and routes.shape[0] == 1:
+        if self.words is not None and routes.shape[0] <= self.batch_rows:  # a decode step's rows
             shared = self._acquire_shared(layer, routes, prefetch)
             if shared is not None:
                 return shared

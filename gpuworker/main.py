@@ -110,6 +110,7 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
             reply_timeout_s=config.reply_timeout,
             compute_lanes=lanes,
             parts_min_bytes=welcome.parts_min_bytes,
+            batch_rows=config.max_sequences,
             words=(
                 LeaseWords(
                     slab.buffer,

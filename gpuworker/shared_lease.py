@@ -35,12 +35,14 @@ class SharedLeasing:
 
     def _send_visited(self, *, end_step: bool) -> None:
         fence, self._visited_fence = self._visited_fence, None
+        counts = tuple(rows.shape[0] for rows in self._visited_rows)
         message = Visited(
             layers=tuple(self._visited_layers),
-            routes=RouteMatrix(np.stack(self._visited_rows)),
+            routes=RouteMatrix(np.concatenate(self._visited_rows)),
             fence=fence,
             end_step=end_step,
             predictions=tuple(self._visited_predictions),
+            visit_rows=counts if any(count != 1 for count in counts) else (),
         )
         self._visited_layers, self._visited_rows, self._visited_predictions = [], [], []
         self.channel.send(message)
@@ -52,14 +54,14 @@ class SharedLeasing:
     def _acquire_shared(
         self, layer: int, routes: np.ndarray, prefetch: tuple[int, tuple[int, ...]] | None
     ) -> list[LeasedWave] | None:
-        """The shared path for a decode visit (see the module docstring); None: take messages."""
+        """The shared path for a decode visit of one or more sequences' rows (see the module
+        docstring); None: take messages."""
         assert self.words is not None
         if self.words.processed() != self._sent:
             self._stats.shared_behind += 1
             return None
         started = time.perf_counter()
-        row = routes[0]
-        experts = tuple(dict.fromkeys(row.tolist()))  # unique, first seen: the coordinator's order
+        experts = tuple(dict.fromkeys(routes.reshape(-1).tolist()))  # unique, first seen: the coordinator's order
         if len(experts) > self.working_slots:
             return None
         slots = self.words.lease(layer, experts)
@@ -70,7 +72,7 @@ class SharedLeasing:
             # releases it before it records this visit, as it would before this visit's routes
             self._visited_fence, self._unsent = self._unsent, None
         self._visited_layers.append(layer)
-        self._visited_rows.append(np.asarray(row, dtype=np.int32))
+        self._visited_rows.append(np.asarray(routes, dtype=np.int32).reshape(routes.shape[0], -1))
         if prefetch is not None:
             visit_index = len(self._visited_layers) - 1
             self._visited_predictions.append(Prediction(visit=visit_index, layer=prefetch[0], experts=prefetch[1]))
@@ -101,7 +103,10 @@ class SharedLeasing:
         try:
             if self._stack_pool is None:  # zero copy: the views read the slots until the fence
                 return [visit_wave(visit, 0, self._wrap(layer, experts, lease))]
-            parts = decode_parts(experts, lanes=self.compute_lanes) if self._in_parts(layer, experts) else ()
+            one_row = routes.shape[0] == 1  # parts split one row's ranks (gpuworker.streamed)
+            parts = (
+                decode_parts(experts, lanes=self.compute_lanes) if one_row and self._in_parts(layer, experts) else ()
+            )
             lanes = part_lanes(len(parts), self.compute_lanes)
 
             def whole():

@@ -296,15 +296,23 @@ class StackBuffers:
 
     Sets of at most `max_pooled` experts are kept and reused, per (n, tensor
     specs): a decode wave always has top-k experts, so one set serves every
-    layer of every token; at most `max_sets` sets are kept. Larger waves
-    (prefill) get fresh buffers each time, which MLX frees (to its cache)
-    once the wave is done, so prefill does not pin working-bank-sized memory.
+    layer of every token; at most `max_sets` sets are kept. A batched decode
+    wave (the union of several rows' experts: up to `max_rows`, its size
+    varying from layer to layer) takes the first n rows of a kept set of the
+    next power of two, when that set is at most `max_batch_bytes`. Larger
+    waves (prefill) get fresh buffers each time, which MLX frees (to its
+    cache) once the wave is done, so prefill does not pin working-bank-sized
+    memory.
     """
 
-    def __init__(self, *, max_pooled: int = 64, max_sets: int = 2) -> None:
+    def __init__(
+        self, *, max_pooled: int = 64, max_sets: int = 2, max_rows: int = 0, max_batch_bytes: int = 32 << 20
+    ) -> None:
         self._sets: dict[tuple, dict[str, tuple[np.ndarray, mx.array]]] = {}
         self._max_pooled = max_pooled
         self._max_sets = max_sets
+        self._max_rows = max_rows
+        self._max_batch_bytes = max_batch_bytes
 
     def clear(self) -> None:
         self._sets.clear()
@@ -317,16 +325,21 @@ class StackBuffers:
         """{name: (writable uint8 numpy view [n, nbytes], the MLX array [n, *shape])}.
 
         `tag` tells apart sets in use at the same time (the parts of one wave)."""
+        rows = n
         if n > self._max_pooled:
-            return {t.name: _stack_buffer(n, t) for t in layout}
-        key = (tag, n, _pool_key(tuple(layout)))
+            rows = 1 << (n - 1).bit_length()
+            if n > self._max_rows or rows * sum(t.nbytes for t in layout) > self._max_batch_bytes:
+                return {t.name: _stack_buffer(n, t) for t in layout}
+        key = (tag, rows, _pool_key(tuple(layout)))
         found = self._sets.pop(key, None)
         if found is None:
-            found = {t.name: _stack_buffer(n, t) for t in layout}
+            found = {t.name: _stack_buffer(rows, t) for t in layout}
         self._sets[key] = found  # most recently used last
         while len(self._sets) > self._max_sets:
             del self._sets[next(iter(self._sets))]
-        return found
+        if rows == n:
+            return found
+        return {name: (raw[:n], array[:n]) for name, (raw, array) in found.items()}  # the same memory
 
 
 @functools.lru_cache(maxsize=4096)
@@ -347,12 +360,19 @@ def _stack_buffer(n: int, tensor: SlotTensorLike) -> tuple[np.ndarray, mx.array]
     if raw.shape != (n, tensor.nbytes) or not raw.flags.writeable or not raw.flags.c_contiguous:
         raise RuntimeError(f"stack buffer for {tensor.name!r}: unexpected host view {raw.shape} {raw.flags}")
     # The array handed out must read the bytes written through `raw` (a view that copied would not).
-    raw[-1, -1] = 1
-    probe = array.view(mx.uint8).reshape(n, -1)[-1, -1].item()
-    raw[-1, -1] = 0
-    if probe != 1:
-        raise RuntimeError(f"stack buffer for {tensor.name!r}: MLX array does not share the host buffer")
+    # Whether it does is MLX's behaviour for the dtype pair: checked once per pair (a probe syncs).
+    pair = (storage.str, str(target))
+    if pair not in _SHARED_PAIRS:
+        raw[-1, -1] = 1
+        probe = array.view(mx.uint8).reshape(n, -1)[-1, -1].item()
+        raw[-1, -1] = 0
+        if probe != 1:
+            raise RuntimeError(f"stack buffer for {tensor.name!r}: MLX array does not share the host buffer")
+        _SHARED_PAIRS.add(pair)
     return raw, array
+
+
+_SHARED_PAIRS: set[tuple[str, str]] = set()  # (numpy storage, MLX dtype) pairs whose arrays share the host buffer
 
 
 def _mlx_dtype_of_numpy(dtype: np.dtype) -> mx.Dtype:

@@ -185,10 +185,12 @@ class Visited:
 
     OP: ClassVar[str] = "visited"
     layers: tuple[int, ...] = wire(max_items=MAX_VISITS)
-    routes: RouteMatrix | None = None  # one row per visit (decode), in `layers` order
+    routes: RouteMatrix | None = None  # the visits' route rows, in `layers` order
     fence: int | None = None
     end_step: bool = False
     predictions: tuple[Prediction, ...] = wire(default=(), max_items=MAX_VISITS)
+    # Route rows per visit (batched decode: one per sequence); empty: one row each.
+    visit_rows: tuple[int, ...] = wire(default=(), max_items=MAX_VISITS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ class SupervisorOptions:
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
     max_queued_per_client: int | None = None
+    max_sequences: int | None = None  # jobs decoding together (None: RunConfig's default)
     test_io_read_delay_ms: float = 0.0
     test_hooks: tuple[str, ...] = ()
     curve: bool = False  # the jobs endpoint a CURVE server with a key pair made for this run
@@ -69,7 +70,7 @@ class SupervisorOptions:
 
 def job_limits(options: SupervisorOptions) -> dict[str, int]:
     """The front door's limits the flags set, as `RunConfig` fields (an unset one keeps its default)."""
-    names = ("max_prompt_tokens", "max_tokens", "max_queued_per_client")
+    names = ("max_prompt_tokens", "max_tokens", "max_queued_per_client", "max_sequences")
     return {name: getattr(options, name) for name in names if getattr(options, name) is not None}
 
 
@@ -210,6 +211,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         metavar="N",
         help="waiting jobs one client may hold (default: half the queue, so no client fills it)",
     )
+    add(
+        "--max-sequences",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="jobs decoded together, one batched forward pass per step (default: 4; 1 decodes one job at a time)",
+    )
     add("--run-dir", default=None, metavar="DIR", help="default: a fresh private directory")
     add(
         "--endpoint",
@@ -288,6 +296,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         max_prompt_tokens=ns.max_prompt_tokens,
         max_tokens=ns.max_tokens,
         max_queued_per_client=ns.max_queued_per_client,
+        max_sequences=ns.max_sequences,
         test_io_read_delay_ms=ns.test_io_read_delay_ms,
         test_hooks=tuple(hook for hook in ns.test_hooks.split(",") if hook),
         curve=ns.curve,

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.lease_publisher import LeasePublisher, PublishingBackend
-from coordinator.leases import LeaseService
+from coordinator.leases import LeaseRefused, LeaseService
 from coordinator.memory_backend import InMemoryBackend
 from coordinator.prefetch import PrefetchBook
 from coordinator.residency import ExpertResidencyManager
@@ -88,11 +88,13 @@ class _Side:
 
     async def _send_visited(self, *, end_step: bool) -> None:
         fence, self.carried = self.carried, None
+        counts = tuple(rows.shape[0] for _, rows in self.visits)
         message = Visited(
             layers=tuple(layer for layer, _ in self.visits),
-            routes=RouteMatrix(np.stack([row for _, row in self.visits])),
+            routes=RouteMatrix(np.concatenate([rows for _, rows in self.visits])),
             fence=fence,
             end_step=end_step,
+            visit_rows=counts if set(counts) != {1} else (),
         )
         self.visits = []
         reply = await self.service.handle(_wire(message))
@@ -101,19 +103,19 @@ class _Side:
             self.publisher.processed()
             self.sent += 1
 
-    async def visit(self, layer: int, row: np.ndarray) -> None:
+    async def visit(self, layer: int, rows: np.ndarray) -> None:
+        """One layer visit of a decode step: one route row per sequence decoding together."""
+        rows = np.atleast_2d(rows).astype(np.int32)
         if self.words is not None and self.words.processed() == self.sent:
-            slots = self.words.lease(layer, list(dict.fromkeys(row.tolist())))
+            slots = self.words.lease(layer, list(dict.fromkeys(rows.reshape(-1).tolist())))
             if slots is not None:
                 self.words.release(slots)  # the copy is done: nothing reads the slots
                 if self.unsent is not None:
                     self.carried, self.unsent = self.unsent, None
-                self.visits.append((layer, row.astype(np.int32)))
+                self.visits.append((layer, rows))
                 self.shared_visits += 1
                 return
-        lease = await self._send(
-            Routes(layer=layer, routes=RouteMatrix(row[None, :].astype(np.int32)), fence=self.unsent)
-        )
+        lease = await self._send(Routes(layer=layer, routes=RouteMatrix(rows), fence=self.unsent))
         assert isinstance(lease, Lease) and lease.waves == 1, lease
         self.unsent = lease.lease_id
 
@@ -146,22 +148,29 @@ class _Side:
         assert all(self.words.readers(slot) == 0 for slot in range(self.words.slots))
 
 
-async def _replay(trace: Trace, *, per_layer: int, replacement: str = "lru", tokens: int | None = None) -> _Side:
+async def _replay(
+    trace: Trace, *, per_layer: int, replacement: str = "lru", tokens: int | None = None, rows: int = 1
+) -> _Side:
+    """Both paths through the trace; `rows` > 1: that many consecutive tokens decode together
+    (a batched step's visit of a layer holds each one's route row), in a working bank for them."""
     layers = trace.layer_ids
     experts = trace.num_experts
-    working = max(trace.top_k, 2)
+    working = max(trace.top_k, 2) * rows
     sides = [
         _Side(layers, experts, per_layer=per_layer, working=working, replacement=replacement, shared=shared)
         for shared in (False, True)
     ]
     order = np.unique(trace.tokens)
-    for count, token in enumerate(order[:tokens] if tokens else order):
-        at = np.flatnonzero(trace.tokens == token)
+    order = order[:tokens] if tokens else order
+    for count in range(0, len(order), rows):
+        batch = [np.flatnonzero(trace.tokens == token) for token in order[count : count + rows]]
         for side in sides:
-            for index in at:
-                await side.visit(int(trace.layers[index]), trace.experts[index])
+            for layer in layers:  # every token visits the sparse layers in order
+                visit = [trace.experts[at[trace.layers[at] == layer][0]] for at in batch if layer in trace.layers[at]]
+                if visit:
+                    await side.visit(int(layer), np.stack(visit))
             await side.end_step()
-        assert sides[0].decisions() == sides[1].decisions(), f"token {count} ({token})"
+        assert sides[0].decisions() == sides[1].decisions(), f"step {count}"
         assert sides[0].routes == sides[1].routes
     sides[1].check_published()
     return sides[1]
@@ -185,6 +194,38 @@ async def test_every_visit_of_a_fully_resident_model_after_the_first_token_is_sh
     visits = trace.num_visits
     # The first visit of each expert loads it; once all are resident nothing takes messages.
     assert shared.shared_visits >= visits - 3 * 8
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("per_layer", [3, 8, 24])
+@run_async
+async def test_batched_decode_steps_get_the_same_decisions_on_both_paths(rows, per_layer):
+    """Several sequences' rows in one visit (`visited` with `visit_rows`) are recorded as one
+    `routes` of those rows would have been: ledger, recency, evictions, slot contents."""
+    trace = generate_trace(layers=4, experts=24, top_k=4, tokens=96, overlap=0.5, zipf=1.0, seed=rows + per_layer)
+    shared = await _replay(trace, per_layer=per_layer, rows=rows)
+    assert shared.manager.snapshot().misses > 0
+    if per_layer == 24:  # every expert fits: after the first steps, batched visits are leased shared
+        assert shared.shared_visits > trace.num_visits // rows // 2
+
+
+@pytest.mark.parametrize(
+    ("rows", "visit_rows", "says"),
+    [
+        ([[1, 2], [3, 4], [5, 6]], (2,), "rows to each of 2 visits"),
+        ([[1, 2], [3, 4], [5, 6]], (1, 1), "3 route rows for visits of 2"),
+        ([[1, 2], [3, 4], [5, 6]], (0, 3), "rows to each of 2 visits"),
+        ([[1, 2], [3, 4], [5, 6]], (1, 2), "names 4 experts; a wave holds 2"),
+    ],
+)
+@run_async
+async def test_a_bad_batched_visited_is_refused_whole(rows, visit_rows, says):
+    side = _Side([0, 1], 8, per_layer=8, working=2, replacement="lru", shared=True)
+    before = side.decisions()
+    message = Visited(layers=(0, 1), routes=RouteMatrix(np.array(rows, dtype=np.int32)), visit_rows=visit_rows)
+    with pytest.raises(LeaseRefused, match=says):
+        await side.service.visited(_wire(message))  # `handle` logs the refusal; nothing is answered
+    assert side.decisions() == before and side.manager.snapshot().hits == 0
 
 
 @settings(max_examples=40, deadline=None)

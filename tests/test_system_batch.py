@@ -124,7 +124,10 @@ def test_jobs_decoded_together_equal_mlx_lm(family, quantized, budget, models, c
     assert len(telemetry) == len(PROMPTS)  # one line per job, as bench_generate reads them
 
 
-def test_rows_join_and_leave_without_disturbing_the_others(models):
+def test_rows_join_and_leave_without_disturbing_the_others(models, caplog):
+    """The first job decodes alone (generate_step) and hands over to the batch mid-decode when the
+    second arrives; a third joins; one is cancelled; the others' tokens stay mlx-lm's."""
+    caplog.set_level(logging.INFO)
     path = models("qwen3_moe", False)
     long_prompt, joiner, cancelled = PROMPTS[0], PROMPTS[2], PROMPTS[4]
     want_long = list(oracle(path, long_prompt, 40).tokens)
@@ -149,6 +152,9 @@ def test_rows_join_and_leave_without_disturbing_the_others(models):
     assert list(long_done.tokens) == want_long[: len(long_done.tokens)]
     assert list(joiner_done.tokens) == want_joiner[: len(joiner_done.tokens)]
     assert long_done.stats.active_sequences == 3 and joiner_done.stats.active_sequences == 3
+    pattern = r"joins the batch \(\d+ rows\) after (\d+) tokens alone"
+    joined = (re.search(pattern, record.getMessage()) for record in caplog.records)
+    assert any(match and int(match.group(1)) > 0 for match in joined)  # the long job handed over mid-decode
 
 
 def test_one_sequence_runs_the_jobs_one_after_another(models):
