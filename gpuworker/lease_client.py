@@ -155,7 +155,8 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         piggyback, self._unsent = self._unsent, None
         visit = Visit(layer, waves, [None] * len(waves), [False] * len(waves), stacked=self._stack_pool is not None)
         self._visit = visit
-        self._phase = DECODE if routes.shape[0] == 1 else PREFILL
+        # A decode step has a row per sequence (a prompt this short counts as decode too).
+        self._phase = DECODE if routes.shape[0] <= self.batch_rows else PREFILL
         self._bucket = self._stats.bucket(layer, self._phase)
         self._bucket[0] += 1
         started = time.perf_counter()

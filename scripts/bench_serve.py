@@ -13,10 +13,16 @@ A warm-up job runs first. Then for each stream count C, `--repeats` rounds: C cl
 
 - aggregate decode tok/s: every stream's tokens after its first, over the time from the first
   stream's first token to the last stream's last token;
-- per-stream decode tok/s: (tokens - 1) / (its last token - its first), the median stream;
+- per-stream decode tok/s: (tokens - 1) / (its last token - its first), the median stream, and
+  their sum (`summed_tok_s`: the rate while the streams decode together, without the time
+  their prefills are staggered, which the aggregate counts);
 - time to first token: from the send to the stream's first token, p50 and p99 over the streams;
 - hit rate and expert bytes read per generated token: the coordinator's cumulative stats
-  before and after the round (prefill included).
+  before and after the round (prefill included), and the decode steps' share alone
+  (`decode_bytes_read_per_token`: the experts they missed, from the GPU worker's telemetry).
+
+Every round sends prompts no earlier round sent: a repeated prompt would route as before and
+find its experts still resident.
 
 Figures are medians over the rounds; `vs_one_stream` divides each C's aggregate by C = 1's
 (when 1 is among the stream counts). `--json`: the last line is one JSON object.
@@ -89,10 +95,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def stream_prompt(index: int, count: int) -> list[int]:
-    """Stream `index`'s prompt: `count` bytes of the benchmark sentence from its own offset."""
+    """Prompt number `index`: `count` bytes of the benchmark sentence from its own offset, its
+    first byte replaced by a letter of the index, so that prompts differ however many are sent."""
     text = PROMPT_TEXT * (count // len(PROMPT_TEXT) + 2)
     start = (index * 7) % len(PROMPT_TEXT)
-    return list(text[start : start + count])
+    return [65 + index % 26, *text[start + 1 : start + count]]
 
 
 def _stream(endpoint: str, prompt: list[int], tokens: int, start: threading.Event, out: dict) -> None:
@@ -106,15 +113,20 @@ def _stream(endpoint: str, prompt: list[int], tokens: int, start: threading.Even
         out.update(sent=sent, times=times)
 
 
-def run_round(system: System, streams: int, args: argparse.Namespace) -> dict[str, Any]:
-    """`streams` jobs sent at once; the round's figures."""
+def run_round(system: System, streams: int, args: argparse.Namespace, first_prompt: int) -> dict[str, Any]:
+    """`streams` jobs sent at once (prompts `first_prompt`, ...: never one an earlier round sent, whose
+    routing the residents would still hold); the round's figures."""
     endpoint = system.system.endpoint
+    lines = system.telemetry.count()
     with Client(endpoint) as client:
         before = client.stats().stats
     start = threading.Event()
     outs: list[dict] = [{} for _ in range(streams)]
     threads = [
-        threading.Thread(target=_stream, args=(endpoint, stream_prompt(i, args.prompt_tokens), args.tokens, start, out))
+        threading.Thread(
+            target=_stream,
+            args=(endpoint, stream_prompt(first_prompt + i, args.prompt_tokens), args.tokens, start, out),
+        )
         for i, out in enumerate(outs)
     ]
     for thread in threads:
@@ -130,15 +142,24 @@ def run_round(system: System, streams: int, args: argparse.Namespace) -> dict[st
     first, last = min(out["times"][0] for out in outs), max(out["times"][-1] for out in outs)
     decoded = sum(len(out["times"]) - 1 for out in outs)
     ttft = sorted((out["times"][0] - out["sent"]) * 1e3 for out in outs)
+    rates = [(len(out["times"]) - 1) / (out["times"][-1] - out["times"][0]) for out in outs]
     generated = after.generated_tokens - before.generated_tokens
     lookups = (after.hits - before.hits) + (after.misses - before.misses)
+    # The GPU worker's telemetry since the round began (one busy period: its last line holds it all).
+    record = system.telemetry.wait_for(lines + streams)
+    decode_misses = sum(
+        row[6] - row[7] for row in (record or {}).get("layers", ()) if row[1] == "decode" and row[0] >= 0
+    )
     return {
         "aggregate_tok_s": decoded / (last - first),
-        "per_stream_tok_s": median([(len(o["times"]) - 1) / (o["times"][-1] - o["times"][0]) for o in outs]),
+        "per_stream_tok_s": median(rates),
+        "summed_tok_s": sum(rates),
         "ttft_p50_ms": ttft[len(ttft) // 2],
         "ttft_p99_ms": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
         "hit_rate": (after.hits - before.hits) / lookups if lookups else 0.0,
         "bytes_read_per_token": (after.bytes_read - before.bytes_read) / generated if generated else 0.0,
+        # decode steps only: the experts they missed, per generated token (prefill reads apart)
+        "decode_bytes_read_per_token": decode_misses * system.expert_bytes / generated if generated else 0.0,
         "generated": generated,
     }
 
@@ -146,7 +167,10 @@ def run_round(system: System, streams: int, args: argparse.Namespace) -> dict[st
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # stop the system on the way out
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)  # the children's INFO lines reach the telemetry log, not the terminal
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     telemetry = TelemetryLog()
     logging.getLogger("moeslab").addHandler(telemetry)
 
@@ -187,8 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {}
     try:
         system.job(stream_prompt(0, args.prompt_tokens), args.tokens, expected=None, temperature=0.0, seed=0)
+        sent = 1  # prompts used so far (the warm-up's)
         for streams in args.stream_counts:
-            rounds = [run_round(system, streams, args) for _ in range(args.repeats)]
+            rounds = []
+            for _ in range(args.repeats):
+                rounds.append(run_round(system, streams, args, sent))
+                sent += streams
             summary = {key: median([r[key] for r in rounds]) for key in rounds[0]}
             summary["rounds"] = rounds
             results[str(streams)] = summary
@@ -215,9 +243,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["vs_one_stream"] = {
             count: {
                 "aggregate": figures["aggregate_tok_s"] / one["aggregate_tok_s"],
+                "summed": figures["summed_tok_s"] / one["summed_tok_s"],
                 "bytes_read_per_token": (
                     figures["bytes_read_per_token"] / one["bytes_read_per_token"]
                     if one["bytes_read_per_token"]
+                    else None
+                ),
+                "decode_bytes_read_per_token": (
+                    figures["decode_bytes_read_per_token"] / one["decode_bytes_read_per_token"]
+                    if one["decode_bytes_read_per_token"]
                     else None
                 ),
             }
@@ -226,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for count, ratio in report["vs_one_stream"].items():
             bytes_ratio = ratio["bytes_read_per_token"]
             say(
-                f"{count} streams vs 1: aggregate {ratio['aggregate']:.2f}x"
+                f"{count} streams vs 1: aggregate {ratio['aggregate']:.2f}x, summed {ratio['summed']:.2f}x"
                 + (f", bytes read per token {bytes_ratio:.2f}x" if bytes_ratio is not None else "")
             )
     if args.json:

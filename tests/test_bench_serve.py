@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIGURES = (
     "aggregate_tok_s",
     "per_stream_tok_s",
+    "summed_tok_s",
     "ttft_p50_ms",
     "ttft_p99_ms",
     "hit_rate",
@@ -37,5 +38,6 @@ def test_bench_serve_reports_every_stream_count(tmp_path):
         assert set(FIGURES) <= set(figures)
         assert figures["aggregate_tok_s"] > 0 and figures["per_stream_tok_s"] > 0
         assert 0 <= figures["hit_rate"] <= 1 and figures["bytes_read_per_token"] > 0  # 2 of 8 resident: reads
+        assert 0 < figures["decode_bytes_read_per_token"] <= figures["bytes_read_per_token"]
     assert report["streams"]["3"]["rounds"][0]["generated"] == 3 * 5
     assert report["vs_one_stream"]["1"]["aggregate"] == 1.0
