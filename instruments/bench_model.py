@@ -9,6 +9,7 @@ so later runs reuse it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import hashlib
@@ -179,3 +180,54 @@ def ensure_bench_model(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return path, True, time.perf_counter() - started
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark model's flags (scripts/bench_generate.py and scripts/bench_serve.py share them)."""
+    shape = parser.add_argument_group("benchmark model (built once and cached)")
+    shape.add_argument("--layers", type=int, default=8)
+    shape.add_argument("--experts", type=int, default=128)
+    shape.add_argument("--hidden", type=int, default=2048)
+    shape.add_argument("--moe-intermediate", type=int, default=768)
+    shape.add_argument("--top-k", type=int, default=8)
+    shape.add_argument("--bits", type=int, default=4)
+    shape.add_argument("--group-size", type=int, default=64)
+    shape.add_argument(
+        "--scale-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the quantization scales/biases and every unquantized float",
+    )
+    shape.add_argument("--seed", type=int, default=0, help="weights seed")
+    shape.add_argument(
+        "--residual-scale",
+        type=float,
+        default=None,
+        help="factor on attention-out and expert-down weights (default 1/sqrt(hidden)); see scale_residual_branches",
+    )
+    shape.add_argument(
+        "--cache-dir", type=Path, default=None, help="where built models are cached (default <repo>/.cache)"
+    )
+    shape.add_argument("--model", type=Path, default=None, help="use this model directory instead")
+
+
+def model_from_arguments(args: argparse.Namespace) -> tuple[Path, bool, float]:
+    """(directory, built now, seconds) of the model `add_model_arguments`' flags name."""
+    if args.model is not None:
+        return args.model.resolve(), False, 0.0
+    config = bench_config(
+        layers=args.layers,
+        experts=args.experts,
+        hidden=args.hidden,
+        moe_intermediate=args.moe_intermediate,
+        top_k=args.top_k,
+        scale_dtype=args.scale_dtype,
+    )
+    return ensure_bench_model(
+        config,
+        bits=args.bits,
+        group_size=args.group_size,
+        seed=args.seed,
+        residual_scale=args.residual_scale,
+        cache_dir=args.cache_dir,
+    )

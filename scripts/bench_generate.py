@@ -64,10 +64,10 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from instruments.bench_model import bench_config, ensure_bench_model
+    from instruments.bench_model import add_model_arguments, model_from_arguments
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from instruments.bench_model import bench_config, ensure_bench_model
+    from instruments.bench_model import add_model_arguments, model_from_arguments
 
 from instruments.bench_report import build_report, model_facts, model_line, report_lines
 from instruments.disk import disk_bandwidth, resolve_io_mode
@@ -82,31 +82,7 @@ from shared.store import ExpertStore
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shape = parser.add_argument_group("benchmark model (built once and cached)")
-    shape.add_argument("--layers", type=int, default=8)
-    shape.add_argument("--experts", type=int, default=128)
-    shape.add_argument("--hidden", type=int, default=2048)
-    shape.add_argument("--moe-intermediate", type=int, default=768)
-    shape.add_argument("--top-k", type=int, default=8)
-    shape.add_argument("--bits", type=int, default=4)
-    shape.add_argument("--group-size", type=int, default=64)
-    shape.add_argument(
-        "--scale-dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="dtype of the quantization scales/biases and every unquantized float",
-    )
-    shape.add_argument("--seed", type=int, default=0, help="weights seed")
-    shape.add_argument(
-        "--residual-scale",
-        type=float,
-        default=None,
-        help="factor on attention-out and expert-down weights (default 1/sqrt(hidden)); see scale_residual_branches",
-    )
-    shape.add_argument(
-        "--cache-dir", type=Path, default=None, help="where built models are cached (default <repo>/.cache)"
-    )
-    shape.add_argument("--model", type=Path, default=None, help="use this model directory instead")
+    add_model_arguments(parser)
     run = parser.add_argument_group("the run")
     run.add_argument("--tokens", type=int, default=32, help="tokens generated per job")
     run.add_argument("--prompt-tokens", type=int, default=16)
@@ -366,25 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.json:
             print(text, flush=True)
 
-    if args.model is not None:
-        model_dir, built, build_s = args.model.resolve(), False, 0.0
-    else:
-        config = bench_config(
-            layers=args.layers,
-            experts=args.experts,
-            hidden=args.hidden,
-            moe_intermediate=args.moe_intermediate,
-            top_k=args.top_k,
-            scale_dtype=args.scale_dtype,
-        )
-        model_dir, built, build_s = ensure_bench_model(
-            config,
-            bits=args.bits,
-            group_size=args.group_size,
-            seed=args.seed,
-            residual_scale=args.residual_scale,
-            cache_dir=args.cache_dir,
-        )
+    model_dir, built, build_s = model_from_arguments(args)
     store = ExpertStore.open(model_dir)
     io_mode = resolve_io_mode(args.io_mode, model_dir)
     model = model_facts(store, model_dir=model_dir, built=built, build_s=build_s, io_mode=io_mode)

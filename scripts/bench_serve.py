@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from instruments.bench_model import bench_config, ensure_bench_model
+    from instruments.bench_model import add_model_arguments, model_from_arguments
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from instruments.bench_model import bench_config, ensure_bench_model
+    from instruments.bench_model import add_model_arguments, model_from_arguments
 
 from instruments.disk import resolve_io_mode
 from instruments.figures import median
@@ -59,16 +59,7 @@ from shared.store import ExpertStore
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    shape = parser.add_argument_group("benchmark model (bench_generate.py's, built once and cached)")
-    for name, default in (("layers", 8), ("experts", 128), ("hidden", 2048), ("moe-intermediate", 768)):
-        shape.add_argument(f"--{name}", type=int, default=default)
-    shape.add_argument("--top-k", type=int, default=8)
-    shape.add_argument("--bits", type=int, default=4)
-    shape.add_argument("--scale-dtype", choices=("float32", "bfloat16"), default="float32")
-    shape.add_argument(
-        "--cache-dir", type=Path, default=None, help="where built models are cached (default <repo>/.cache)"
-    )
-    shape.add_argument("--model", type=Path, default=None, help="use this model directory instead")
+    add_model_arguments(parser)
     run = parser.add_argument_group("the run")
     run.add_argument("--streams", default="1,2,4,8", help="comma-separated concurrent stream counts")
     run.add_argument("--resident-fraction", type=float, default=1.0, help="share of each layer's experts resident")
@@ -178,18 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.json:
             print(text, flush=True)
 
-    if args.model is not None:
-        model_dir = args.model.resolve()
-    else:
-        config = bench_config(
-            layers=args.layers,
-            experts=args.experts,
-            hidden=args.hidden,
-            moe_intermediate=args.moe_intermediate,
-            top_k=args.top_k,
-            scale_dtype=args.scale_dtype,
-        )
-        model_dir, _, _ = ensure_bench_model(config, bits=args.bits, cache_dir=args.cache_dir)
+    model_dir, _, _ = model_from_arguments(args)
     store = ExpertStore.open(model_dir)
     slots = max(1, round(store.experts_per_layer * args.resident_fraction))
     max_sequences = args.max_sequences or max(args.stream_counts)

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from shared.slab import SLAB_NAME_PREFIX, SLAB_TAG_ENV
+from tests.helpers.models import write_tiny_model
 from tests.helpers.supervisor import stop_leftover_supervisors
 
 SHM_DIR = Path("/dev/shm")
@@ -60,3 +61,19 @@ def no_leaks():
     leaked_shm = _shm_entries() - shm_before
     assert not alive, f"test left child processes running: {[c.pid for c in alive]}"
     assert not leaked_shm, f"test left shared-memory segments: {sorted(leaked_shm)}"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """`models(family, quantized=False, layout="stacked", **options)`: each tiny model written once
+    per module, on demand (`write_tiny_model`'s options)."""
+    built: dict[tuple, Path] = {}
+
+    def get(family: str, quantized: bool = False, layout: str = "stacked", **options) -> Path:
+        key = (family, quantized, layout, tuple(sorted(options.items())))
+        if key not in built:
+            path = tmp_path_factory.mktemp(f"{family}-{'q4' if quantized else 'fp32'}-{layout}")
+            built[key] = write_tiny_model(path, family=family, quantized=quantized, layout=layout, **options)
+        return built[key]
+
+    return get

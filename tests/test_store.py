@@ -43,21 +43,6 @@ def _case_id(case) -> str:
     return f"{family}-{'q4' if quantized else 'fp32'}-{layout}"
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Build each tiny model once per module, on demand."""
-    built: dict[tuple, Path] = {}
-
-    def get(family: str, quantized: bool = False, layout: str = "stacked", **options) -> Path:
-        key = (family, quantized, layout, tuple(sorted(options.items())))
-        if key not in built:
-            path = tmp_path_factory.mktemp(f"{family}-{int(quantized)}-{layout}")
-            built[key] = write_tiny_model(path, family=family, quantized=quantized, layout=layout, **options)
-        return built[key]
-
-    return get
-
-
 def _copy_model(source: Path, target: Path) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():

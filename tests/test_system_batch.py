@@ -22,7 +22,6 @@ from mlx_lm.utils import load_model
 from shared.client import Client, JobFailedError
 from shared.demo_model import EOS_TOKEN_ID
 from shared.job_messages import CANCELLED, TokenEvent
-from tests.helpers.models import write_tiny_model
 from tests.helpers.oracle import oracle
 from tests.helpers.system import start_test_system, wait_for
 
@@ -37,19 +36,6 @@ PROMPTS = (
     tuple(b"Mixture of experts"),
     tuple(b"streams from disk"),
 )
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    made = {}
-
-    def get(family: str, quantized: bool):
-        if (family, quantized) not in made:
-            directory = tmp_path_factory.mktemp(f"{family}-{'q4' if quantized else 'fp32'}")
-            made[family, quantized] = write_tiny_model(directory, family=family, quantized=quantized)
-        return made[family, quantized]
-
-    return get
 
 
 def mlx_lm_batched(model_dir, prompts, max_tokens: int) -> list[list[int]]:

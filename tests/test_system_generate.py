@@ -43,7 +43,7 @@ from shared.store import ExpertStore
 from supervisor.budget import BudgetError
 from supervisor.readiness import LaunchError
 from supervisor.system import start_system
-from tests.helpers.models import FAMILIES, write_tiny_model
+from tests.helpers.models import FAMILIES
 from tests.helpers.oracle import oracle, relative_difference
 from tests.helpers.system import (
     PROCESS_ALLOWANCE,
@@ -61,19 +61,6 @@ GENERATED = 32
 RTOL = 1e-4
 HOOKS = ("scribble_fenced", "verify_fenced")
 log = logging.getLogger(__name__)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    made = {}
-
-    def get(family: str, quantized: bool):
-        if (family, quantized) not in made:
-            directory = tmp_path_factory.mktemp(f"{family}-{'q4' if quantized else 'fp32'}")
-            made[family, quantized] = write_tiny_model(directory, family=family, quantized=quantized)
-        return made[family, quantized]
-
-    return get
 
 
 # This module's system: the tight budget (every token misses and evicts), test hooks on.
