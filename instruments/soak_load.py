@@ -291,8 +291,15 @@ class Load:
 def disconnect_outcomes(log: str, disconnected: dict[str, int]) -> dict[str, Any]:
     """What the coordinator did with each job whose client vanished, from its log lines
     (`coordinator/jobs.py`): stopped while running (the first token it could not deliver),
-    dropped from the queue, or finished before it noticed (its `done` went nowhere)."""
-    outcome: dict[str, int] = {"stopped_running": 0, "dropped_queued": 0, "finished": 0, "unaccounted": 0}
+    dropped from the queue, finished before it noticed (its `done` went nowhere), or failed before
+    it noticed (a killed or hung GPU worker fails every job it runs; its `error` went nowhere)."""
+    outcome: dict[str, int] = {
+        "stopped_running": 0,
+        "dropped_queued": 0,
+        "finished": 0,
+        "failed": 0,
+        "unaccounted": 0,
+    }
     extra = []
     dropped = set(re.findall(r"'([^']+)'", " ".join(re.findall(r"of a disconnected client: (\[.*?\])", log))))
     for request_id, received in disconnected.items():
@@ -304,6 +311,8 @@ def disconnect_outcomes(log: str, disconnected: dict[str, int]) -> dict[str, Any
             outcome["dropped_queued"] += 1
         elif re.search(rf"\('{re.escape(request_id)}'\) done:", log):
             outcome["finished"] += 1
+        elif re.search(rf"\('{re.escape(request_id)}'\) failed: worker_(failed|hung):", log):
+            outcome["failed"] += 1
         else:
             outcome["unaccounted"] += 1
     outcome["max_tokens_relayed_after_close"] = max(extra, default=0)

@@ -4,6 +4,7 @@ reports what it promises. Speed is the script's business, never asserted here.""
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from instruments.bench_report import report_lines
+from shared.slab import SLAB_NAME_PREFIX, SLAB_TAG_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,7 +113,9 @@ def test_bench_generate_reports_both_comparisons(cache, order):
 
 
 def _slabs() -> set[str]:
-    return {path.name for path in Path("/dev/shm").glob("moeslab-*")} if Path("/dev/shm").is_dir() else set()
+    """This session's slabs (the bench inherits its tag): another run on the machine is not ours."""
+    prefix = f"{SLAB_NAME_PREFIX[1:]}{os.environ[SLAB_TAG_ENV]}-"
+    return {path.name for path in Path("/dev/shm").glob(f"{prefix}*")} if Path("/dev/shm").is_dir() else set()
 
 
 def _wait_for_line(stream, needle: str, timeout: float) -> str | None:

@@ -98,14 +98,17 @@ def test_each_vanished_clients_job_is_accounted_for_from_the_coordinators_log():
             "coordinator.jobs: job 3 ('c-1') ended after its client disconnected: 4 tokens delivered",
             "coordinator.jobs: dropped 2 queued job(s) of a disconnected client: ['c-2', 'c-3']",
             "coordinator.jobs: job 9 ('c-4') done: 7 tokens, JobStats()",
+            "coordinator.jobs: job 11 ('c-6') failed: worker_failed: the GPU worker was lost: exited",
+            "coordinator.jobs: job 12 ('c-7') failed: cancelled: job 'c-7' was cancelled after 2 tokens",
         ]
     )
-    outcome = disconnect_outcomes(log, {"c-1": 3, "c-2": 0, "c-4": 5, "c-5": 1})
+    outcome = disconnect_outcomes(log, {"c-1": 3, "c-2": 0, "c-4": 5, "c-5": 1, "c-6": 2, "c-7": 2})
     assert outcome == {
         "stopped_running": 1,
         "dropped_queued": 1,
         "finished": 1,
-        "unaccounted": 1,
+        "failed": 1,
+        "unaccounted": 2,
         "max_tokens_relayed_after_close": 1,
     }
 
