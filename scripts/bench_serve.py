@@ -22,7 +22,9 @@ A warm-up job runs first. Then for each stream count C, `--repeats` rounds: C cl
   (`decode_bytes_read_per_token`: the experts they missed, from the GPU worker's telemetry).
 
 Every round sends prompts no earlier round sent: a repeated prompt would route as before and
-find its experts still resident.
+find its experts still resident. With every expert resident (`--resident-fraction 1`) the
+warm-up decodes each round's prompts once first, so that the rounds measure decode from hits
+only (as bench_generate's resident part does), whatever the stream count.
 
 Figures are medians over the rounds; `vs_one_stream` divides each C's aggregate by C = 1's
 (when 1 is among the stream counts). `--json`: the last line is one JSON object.
@@ -192,6 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         system.job(stream_prompt(0, args.prompt_tokens), args.tokens, expected=None, temperature=0.0, seed=0)
         sent = 1  # prompts used so far (the warm-up's)
+        if slots == store.experts_per_layer:  # all resident: first load what every round's prompts route to
+            total = sent + sum(args.stream_counts) * args.repeats
+            for first in range(sent, total, max_sequences):
+                run_round(system, min(max_sequences, total - first), args, first)
+            say(f"warm-up: the {total - sent} prompts of the rounds decoded once, so that they find every expert")
         for streams in args.stream_counts:
             rounds = []
             for _ in range(args.repeats):
