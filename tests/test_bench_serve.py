@@ -41,3 +41,19 @@ def test_bench_serve_reports_every_stream_count(tmp_path):
         assert 0 < figures["decode_bytes_read_per_token"] <= figures["bytes_read_per_token"]
     assert report["streams"]["3"]["rounds"][0]["generated"] == 3 * 5
     assert report["vs_one_stream"]["1"]["aggregate"] == 1.0
+
+
+def test_all_resident_rounds_decode_from_hits_only(tmp_path):
+    """With every expert resident the warm-up decodes the rounds' (new) prompts once first."""
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_serve.py"),
+        *("--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"),
+        *("--streams", "1,2", "--tokens", "5", "--prompt-tokens", "6", "--repeats", "2"),
+        *("--resident-fraction", "1", "--cache-dir", str(tmp_path), "--json"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    rounds = [r for figures in report["streams"].values() for r in figures["rounds"]]
+    assert len(rounds) == 4 and all(r["hit_rate"] == 1.0 and r["bytes_read_per_token"] == 0 for r in rounds)
