@@ -147,7 +147,6 @@ class Coordinator:
         self.io_ready = False
         self.stopping = False
         self._violations = 0
-        self._jobs: set[int] = set()  # started and not ended: the book's window is shared by them
         self._fallback_ops = 0
 
     # ------------------------------------------------------------ tasks
@@ -387,10 +386,11 @@ class Coordinator:
         return self.manager.prefetch_book.job_starts()
 
     def begin_job(self, job_id: int) -> None:
-        if not self._jobs:  # the first of a busy period; a job joining others shares their window
+        # The front door counts the job as running already: the first of a busy period opens the
+        # book's window; a job joining others shares theirs.
+        if len(self.front.active) == 1:
             self.book.begin()
             self._violations = self._hook_violations()
-        self._jobs.add(job_id)
 
     async def end_job(self, job_id: int, done: JobDone | None, relayed: int) -> tuple[JobStats, str | None]:
         try:
@@ -402,9 +402,8 @@ class Coordinator:
         # A job's residency figures are the book's window since the last job ended (or the busy
         # period began): a job that ran alone gets exactly its own; overlapping jobs split the
         # period between them, so the run's totals still add up.
-        self._jobs.discard(job_id)
         stats = self.book.end(done, relayed=relayed, wrap_path=self.gpu.wrap_path, io_fallback_ops=fallback_delta)
-        if self._jobs:
+        if self.front.active:  # the door no longer counts this job
             self.book.begin()  # the next window, of the jobs still running (a step boundary: the job's fence came)
         return stats, hook_report(self.fence_checked, job_id, since=self._violations)
 

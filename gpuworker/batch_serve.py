@@ -70,8 +70,7 @@ class _Row:
     prompt_tokens: int
     detokenizer: object
     eos: frozenset[int]
-    started: float
-    previous: float
+    previous: float  # when its last token (or its admission) was
     lease_start: tuple[int, float, float]  # the client's (bytes copied, copy ms, lease wait ms) when it joined
     ids: list[int]
     sampler: object
@@ -158,7 +157,6 @@ class BatchJobServer(JobServer):
             prompt_tokens=len(ids),
             detokenizer=self.tokenizer.detokenizer,  # a fresh one per call
             eos=frozenset(self.tokenizer.eos_token_ids),
-            started=now,
             previous=now,
             lease_start=(stats.bytes_copied, stats.copy_ms, stats.lease_wait_ms),
             ids=ids,

@@ -21,17 +21,21 @@ FIGURES = (
 )
 
 
-def test_bench_serve_reports_every_stream_count(tmp_path):
+def _bench(cache, *flags: str) -> dict:
+    """bench_serve.py on a tiny model (built once in `cache`): its --json report."""
     command = [
         sys.executable,
         str(ROOT / "scripts" / "bench_serve.py"),
         *("--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"),
-        *("--streams", "1,3", "--tokens", "5", "--prompt-tokens", "6", "--repeats", "1"),
-        *("--resident-fraction", "0.25", "--cache-dir", str(tmp_path), "--json"),
+        *("--tokens", "5", "--prompt-tokens", "6", "--cache-dir", str(cache), "--json", *flags),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_bench_serve_reports_every_stream_count(tmp_path):
+    report = _bench(tmp_path, "--streams", "1,3", "--repeats", "1", "--resident-fraction", "0.25")
     assert report["max_sequences"] == 3 and report["slots_per_layer"] == 2
     assert set(report["streams"]) == {"1", "3"}
     for figures in report["streams"].values():
@@ -45,15 +49,6 @@ def test_bench_serve_reports_every_stream_count(tmp_path):
 
 def test_all_resident_rounds_decode_from_hits_only(tmp_path):
     """With every expert resident the warm-up decodes the rounds' (new) prompts once first."""
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench_serve.py"),
-        *("--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"),
-        *("--streams", "1,2", "--tokens", "5", "--prompt-tokens", "6", "--repeats", "2"),
-        *("--resident-fraction", "1", "--cache-dir", str(tmp_path), "--json"),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _bench(tmp_path, "--streams", "1,2", "--repeats", "2", "--resident-fraction", "1")
     rounds = [r for figures in report["streams"].values() for r in figures["rounds"]]
     assert len(rounds) == 4 and all(r["hit_rate"] == 1.0 and r["bytes_read_per_token"] == 0 for r in rounds)
