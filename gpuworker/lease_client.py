@@ -45,7 +45,8 @@ from gpuworker.lease_stats import DECODE, END_STEP, PREFILL, LeaseClientStats, L
 from gpuworker.lease_visit import Visit, check_lease, visit_wave
 from gpuworker.lease_wrap import WaveWrapping
 from gpuworker.shared_lease import SharedLeasing
-from gpuworker.slots import COPY, ZERO_COPY, StackBuffers, zero_copy_supported
+from gpuworker.slots import COPY, ZERO_COPY, zero_copy_supported
+from gpuworker.stacking import StackBuffers
 from shared.config import check_compute_lanes
 from shared.gpu_messages import Fence, Fenced, Lease, Prediction, Prefetch, RouteMatrix, Routes
 from shared.lease_words import LeaseWords

@@ -43,7 +43,9 @@ def check_lease(visit: Visit, index: int, lease: Lease, *, total_slots: int, wor
         raise LeaseError(f"{where}: a slot is leased twice: {list(lease.slots)}")
 
 
-def visit_wave(visit: Visit, index: int, tensors, *, parts=(), take_part=None, part_lanes=()) -> VisitWave:
+def visit_wave(
+    visit: Visit, index: int, tensors, *, parts=(), take_part=None, part_lanes=(), stack_rows=()
+) -> VisitWave:
     """Wave `index` of `visit` as the module takes it (`tensors`: loaded, or a loader)."""
     # The copy path's stacked tensors never read the slab: detached (fenced while computing).
     wave = VisitWave(
@@ -55,6 +57,7 @@ def visit_wave(visit: Visit, index: int, tensors, *, parts=(), take_part=None, p
         parts=parts,
         take_part=take_part,
         part_lanes=part_lanes,
+        stack_rows=stack_rows,
     )
     wave.visit, wave.index = visit, index
     return wave

@@ -12,7 +12,8 @@ import time
 
 import mlx.core as mx
 
-from gpuworker.slots import slot_arrays, stacked_slot_arrays
+from gpuworker.slots import slot_arrays
+from gpuworker.stacking import stacked_slot_arrays
 from shared.gpu_messages import Lease
 
 __all__ = ["WaveWrapping"]

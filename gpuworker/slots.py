@@ -28,7 +28,6 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from native import _slotcopy
 from shared.safetensors_index import DTYPE_SIZES, mlx_dtype, numpy_dtype
 
 __all__ = [
@@ -37,11 +36,9 @@ __all__ = [
     "SlotCounters",
     "SlotCountersSnapshot",
     "SlotTensorLike",
-    "StackBuffers",
     "WrapStats",
     "mlx_storage_dtype",
     "slot_arrays",
-    "stacked_slot_arrays",
     "zero_copy_supported",
 ]
 
@@ -172,34 +169,15 @@ def _check_layout(layout: Sequence[SlotTensorLike], slot_bytes: int) -> None:
             )
 
 
-@functools.lru_cache(maxsize=4096)
-def _stack_names(layout: tuple, slot_bytes: int) -> tuple[str, ...]:
-    """The tensor names of a checked layout, in its order (layouts are immutable and cached by
-    the store: each is checked once)."""
-    _check_layout(layout, slot_bytes)
-    return tuple(tensor.name for tensor in layout)
-
-
-@functools.lru_cache(maxsize=65536)
-def _stack_offsets(layout: tuple, first: tuple, slot_bytes: int) -> tuple[int, ...]:
-    """The offsets in `layout` of `first`'s tensors, in `first`'s order; both must hold the same
-    tensors (name, dtype, shape)."""
-    _check_layout(layout, slot_bytes)
-    by_name = {tensor.name: tensor for tensor in layout}
-    if sorted((t.name, t.dtype, tuple(t.shape)) for t in layout) != sorted(
-        (t.name, t.dtype, tuple(t.shape)) for t in first
-    ):
-        raise ValueError("stacked slots must hold the same tensors (name, dtype, shape)")
-    return tuple(by_name[tensor.name].offset for tensor in first)
-
-
-def _slot_window_start(buffer, slot: int, slot_bytes: int) -> int:
-    """Where one slot starts in the slab buffer, checked to lie inside it."""
+def _slot_window_start(buffer, slot: int, slot_bytes: int, *, size: int | None = None) -> int:
+    """Where one slot starts in the slab buffer, checked to lie inside it (`size`: the
+    buffer's, when the caller already knows it)."""
     if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or slot < 0:
         raise ValueError(f"slot must be a non-negative int, got {slot!r}")
     if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, (int, np.integer)) or slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be a positive int, got {slot_bytes!r}")
-    size = memoryview(buffer).nbytes
+    if size is None:
+        size = memoryview(buffer).nbytes
     start = int(slot) * int(slot_bytes)
     if start + slot_bytes > size:
         end = start + slot_bytes
@@ -274,146 +252,3 @@ def slot_arrays(
         return _wrap_zero_copy(window, layout), WrapStats(ZERO_COPY, len(layout), nbytes, 0)
     tensors = {tensor.name: _copy_tensor(window, tensor) for tensor in layout}
     return tensors, WrapStats(COPY, len(layout), nbytes, nbytes)
-
-
-# --------------------------------------------------------------------------- stacked, one copy
-
-
-class StackBuffers:
-    """MLX arrays of shape [n, *tensor shape] that a wave's slots are copied into.
-
-    The streamed module needs each tensor of a wave stacked over the wave's
-    experts. Building per-expert arrays and then `mx.stack`ing them copies
-    every byte twice (slot -> MLX, MLX -> stacked); copying each slot's
-    tensors straight into rows of a stacked MLX array copies them once, and
-    the result is the same bytes, so the module computes bit for bit what it
-    computed before. MLX arrays are immutable as far as MLX knows: writing one
-    through its (CPU) buffer is only sound because the writer is the only
-    holder of the array between waves (the module drops the arrays it was
-    given, and evaluates every output that read them, before the wave's fence,
-    which precedes the next wave's copy), and because the pool's own reference
-    keeps MLX from donating the buffer to an op's output.
-
-    Sets of at most `max_pooled` experts are kept and reused, per (n, tensor
-    specs): a decode wave always has top-k experts, so one set serves every
-    layer of every token; at most `max_sets` sets are kept. A batched decode
-    wave (the union of several rows' experts: up to `max_rows`, its size
-    varying from layer to layer) takes the first n rows of a kept set of the
-    next power of two, when that set is at most `max_batch_bytes`. Larger
-    waves (prefill) get fresh buffers each time, which MLX frees (to its
-    cache) once the wave is done, so prefill does not pin working-bank-sized
-    memory.
-    """
-
-    def __init__(
-        self, *, max_pooled: int = 64, max_sets: int = 2, max_rows: int = 0, max_batch_bytes: int = 32 << 20
-    ) -> None:
-        self._sets: dict[tuple, dict[str, tuple[np.ndarray, mx.array]]] = {}
-        self._max_pooled = max_pooled
-        self._max_sets = max_sets
-        self._max_rows = max_rows
-        self._max_batch_bytes = max_batch_bytes
-
-    def clear(self) -> None:
-        self._sets.clear()
-
-    @property
-    def pooled_bytes(self) -> int:
-        return sum(raw.nbytes for buffers in self._sets.values() for raw, _ in buffers.values())
-
-    def get(self, n: int, layout: Sequence[SlotTensorLike], *, tag: int = -1) -> dict[str, tuple[np.ndarray, mx.array]]:
-        """{name: (writable uint8 numpy view [n, nbytes], the MLX array [n, *shape])}.
-
-        `tag` tells apart sets in use at the same time (the parts of one wave)."""
-        rows = n
-        if n > self._max_pooled:
-            rows = 1 << (n - 1).bit_length()
-            if n > self._max_rows or rows * sum(t.nbytes for t in layout) > self._max_batch_bytes:
-                return {t.name: _stack_buffer(n, t) for t in layout}
-        key = (tag, rows, _pool_key(tuple(layout)))
-        found = self._sets.pop(key, None)
-        if found is None:
-            found = {t.name: _stack_buffer(rows, t) for t in layout}
-        self._sets[key] = found  # most recently used last
-        while len(self._sets) > self._max_sets:
-            del self._sets[next(iter(self._sets))]
-        if rows == n:
-            return found
-        return {name: (raw[:n], array[:n]) for name, (raw, array) in found.items()}  # the same memory
-
-
-@functools.lru_cache(maxsize=4096)
-def _pool_key(layout: tuple) -> tuple:
-    # Sorted: layers order the same tensors differently (by file offset).
-    return tuple(sorted((t.name, t.dtype, tuple(t.shape)) for t in layout))
-
-
-def _stack_buffer(n: int, tensor: SlotTensorLike) -> tuple[np.ndarray, mx.array]:
-    """An MLX array [n, *shape] of the tensor's MLX dtype and a writable uint8 view of its memory."""
-    storage = numpy_dtype(tensor.dtype)
-    base = mx.zeros((n, *tensor.shape), dtype=_mlx_dtype_of_numpy(storage))  # materialised by eval below
-    target = mlx_storage_dtype(tensor.dtype)
-    array = base if base.dtype == target else base.view(target)  # BF16 <- uint16: same buffer
-    mx.eval(array)
-    host = np.array(base, copy=False)  # a view of MLX's buffer, not a copy
-    raw = host.reshape(n, -1).view(np.uint8)
-    if raw.shape != (n, tensor.nbytes) or not raw.flags.writeable or not raw.flags.c_contiguous:
-        raise RuntimeError(f"stack buffer for {tensor.name!r}: unexpected host view {raw.shape} {raw.flags}")
-    # The array handed out must read the bytes written through `raw` (a view that copied would not).
-    # Whether it does is MLX's behaviour for the dtype pair: checked once per pair (a probe syncs).
-    pair = (storage.str, str(target))
-    if pair not in _SHARED_PAIRS:
-        raw[-1, -1] = 1
-        probe = array.view(mx.uint8).reshape(n, -1)[-1, -1].item()
-        raw[-1, -1] = 0
-        if probe != 1:
-            raise RuntimeError(f"stack buffer for {tensor.name!r}: MLX array does not share the host buffer")
-        _SHARED_PAIRS.add(pair)
-    return raw, array
-
-
-_SHARED_PAIRS: set[tuple[str, str]] = set()  # (numpy storage, MLX dtype) pairs whose arrays share the host buffer
-
-
-def _mlx_dtype_of_numpy(dtype: np.dtype) -> mx.Dtype:
-    return getattr(mx, np.dtype(dtype).name)
-
-
-def stacked_slot_arrays(
-    buffer,
-    slots: Sequence[int],
-    slot_bytes: int,
-    layouts: Sequence[Sequence[SlotTensorLike]],
-    pool: StackBuffers,
-    *,
-    tag: int = -1,
-) -> tuple[dict[str, mx.array], WrapStats]:
-    """The tensors of the experts in `slots` (in that order), stacked: `{name: [n, *shape]}`.
-
-    One copy per tensor per expert, straight from the slot into MLX memory
-    (`StackBuffers`); the copy path only (CPU, CUDA). Every layout must name
-    the same tensors with the same dtypes and shapes (offsets may differ).
-    Arrays come from `pool` and are overwritten by its next use with the same
-    `tag`: the caller must have evaluated and dropped everything that read
-    them by then.
-    """
-    if len(slots) != len(layouts) or not slots:
-        raise ValueError(f"{len(slots)} slots but {len(layouts)} layouts")
-    first = tuple(layouts[0])
-    names = _stack_names(first, int(slot_bytes))
-    offsets = [_stack_offsets(tuple(layout), first, int(slot_bytes)) for layout in layouts]
-    starts = [_slot_window_start(buffer, slot, slot_bytes) for slot in slots]
-    target = pool.get(len(slots), first, tag=tag)
-    lengths = [tensor.nbytes for tensor in first]
-    # One native call for every tensor of every slot (72 small copies for a decode layer of 8
-    # experts of 9 tensors: in Python their interpreter time outweighed the bytes).
-    _slotcopy.stack(
-        buffer,
-        [target[name][0] for name in names],
-        lengths,
-        [start + offset for start, row in zip(starts, offsets) for offset in row],
-    )
-    nbytes = sum(lengths) * len(slots)
-    return {name: array for name, (_, array) in target.items()}, WrapStats(
-        COPY, len(first) * len(slots), nbytes, nbytes
-    )

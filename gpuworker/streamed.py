@@ -49,6 +49,9 @@ __all__ = ["ExpertParam", "StreamedSwitch"]
 logger = logging.getLogger(__name__)
 
 
+_SMALL_ROUTES = 64  # route entries up to which positions are mapped in Python (decode rows)
+
+
 def _evaluate(*arrays: mx.array) -> None:
     """mx.eval, behind a name the tests can observe (ordering of eval and fence)."""
     mx.eval(*arrays)
@@ -72,26 +75,37 @@ class ExpertParam:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.size
 
 
-def _check_array(array: object, shape: tuple[int, ...], dtype: mx.Dtype, where: str) -> None:
-    if not isinstance(array, mx.array) or tuple(array.shape) != shape or array.dtype != dtype:
+def _check_array(array: object, shape: tuple[int, ...], dtype: mx.Dtype, where: str, *where_args: object) -> None:
+    """Refuse a tensor of the wrong type, shape or dtype; `where % where_args` says which (formatted
+    only on refusal: a decode layer checks every tensor of every wave)."""
+    if not isinstance(array, mx.array) or array.shape != shape or array.dtype != dtype:
         what = f"{array.dtype} {list(array.shape)}" if isinstance(array, mx.array) else type(array).__name__
-        raise ExpertProviderError(f"{where}: got {what}, the module needs {dtype} {list(shape)}")
+        raise ExpertProviderError(f"{where % where_args}: got {what}, the module needs {dtype} {list(shape)}")
 
 
-def _stacked(wave: LeasedWave, params: Sequence[ExpertParam], layer: int) -> tuple[list[int], dict[str, mx.array]]:
-    """The wave's experts in ascending id, stacked per tensor name: [n_unique, ...]."""
+def _stacked(wave: LeasedWave, params: Sequence[ExpertParam], layer: int) -> tuple[dict[int, int], dict[str, mx.array]]:
+    """The wave's experts stacked per tensor name, and each expert's row in the stack: in
+    ascending id ([n_unique, ...]), or where the wave's `stack_rows` put them."""
     if getattr(wave, "stacked", False):
         got = wave.take()
         wanted = {param.name for param in params}
-        if set(got) != wanted:
+        if got.keys() != wanted:
             raise ExpertProviderError(
                 f"layer {layer} wave {list(wave.expert_ids)}: stacked tensors "
                 f"{sorted(got)} but the module needs {sorted(wanted)}"
             )
-        n = len(wave.expert_ids)
+        rows = getattr(wave, "stack_rows", ())
+        if rows:
+            position_of = dict(zip(wave.expert_ids, rows))
+            n = got[params[0].name].shape[0] if params else 0
+            if max(rows) >= n:
+                raise ExpertProviderError(f"layer {layer}: stack rows {list(rows)} past a stack of {n}")
+        else:
+            position_of = {expert: row for row, expert in enumerate(sorted(wave.expert_ids))}
+            n = len(wave.expert_ids)
         for param in params:
-            _check_array(got[param.name], (n, *param.shape), param.dtype, f"layer {layer} stacked {param.name}")
-        return sorted(wave.expert_ids), {param.name: got[param.name] for param in params}
+            _check_array(got[param.name], (n, *param.shape), param.dtype, "layer %d stacked %s", layer, param.name)
+        return position_of, {param.name: got[param.name] for param in params}
     tensors = wave.take()
     order = sorted(range(len(wave.expert_ids)), key=wave.expert_ids.__getitem__)
     wanted = {param.name for param in params}
@@ -110,7 +124,7 @@ def _stacked(wave: LeasedWave, params: Sequence[ExpertParam], layer: int) -> tup
                     f"the module needs {param.dtype} {list(param.shape)}"
                 )
     stacked = {param.name: mx.stack([tensors[j][param.name] for j in order]) for param in params}
-    return [wave.expert_ids[j] for j in order], stacked
+    return {wave.expert_ids[j]: row for row, j in enumerate(order)}, stacked
 
 
 class StreamedSwitch(nn.Module):
@@ -141,11 +155,16 @@ class StreamedSwitch(nn.Module):
     # -- parameters of the current wave ----------------------------------------------------------
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
-        *path, key = name.split(".")
-        owner = self.switch
-        for part in path:
-            owner = owner[part]
-        return owner, key
+        """The submodule holding expert tensor `name`, and its key there (looked up once: the
+        module's structure does not change, and a decode layer installs every tensor per token)."""
+        found = self._expert_params.owners.get(name)
+        if found is None:
+            *path, key = name.split(".")
+            owner = self.switch
+            for part in path:
+                owner = owner[part]
+            found = self._expert_params.owners[name] = (owner, key)
+        return found
 
     def _install(self, stacked: Mapping[str, mx.array]) -> None:
         for name, array in stacked.items():
@@ -171,11 +190,15 @@ class StreamedSwitch(nn.Module):
         """
         if getattr(wave, "parts", ()) and ids.size == ids.shape[-1]:  # one route row (decode)
             return self._run_parts(x, ids, wave, dtype)
-        order, stacked = _stacked(wave, self.expert_params, self.layer)
-        lookup = np.full(self.num_experts, -1, dtype=np.int64)
-        lookup[order] = np.arange(len(order))
-        # Ascending ids -> ascending positions: mlx-lm's sort by index sees the same order.
-        positions = mx.array(lookup[ids].astype(np.int32)).astype(dtype)
+        position_of, stacked = _stacked(wave, self.expert_params, self.layer)
+        # Rows in ascending id keep mlx-lm's sort by index (routes of >= 64 entries) in the same
+        # order; `stack_rows` (any order) come only with decode rows, which mlx-lm does not sort.
+        if ids.size <= _SMALL_ROUTES:  # a decode row: a dict beats numpy's per-call overhead
+            positions = mx.array([position_of[e] for e in ids.reshape(-1).tolist()], dtype=dtype).reshape(ids.shape)
+        else:
+            lookup = np.full(self.num_experts, -1, dtype=np.int64)
+            lookup[list(position_of)] = list(position_of.values())
+            positions = mx.array(lookup[ids].astype(np.int32)).astype(dtype)
         self._install(stacked)
         del stacked
         try:
@@ -208,7 +231,10 @@ class StreamedSwitch(nn.Module):
                         got[param.name],
                         (len(part), *param.shape),
                         param.dtype,
-                        f"layer {self.layer} part {index} {param.name}",
+                        "layer %d part %d %s",
+                        self.layer,
+                        index,
+                        param.name,
                     )
                 positions = mx.array(np.arange(len(part), dtype=np.int32).reshape(*ids.shape[:-1], len(part)))
                 self._install(got)
@@ -318,7 +344,8 @@ class StreamedSwitch(nn.Module):
 class _ParamSpecs:
     """Holds the expert tensor specs as a plain attribute (nn.Module would treat a tuple as state)."""
 
-    __slots__ = ("params",)
+    __slots__ = ("owners", "params")
 
     def __init__(self, params: tuple[ExpertParam, ...]) -> None:
         self.params = params
+        self.owners: dict[str, tuple[nn.Module, str]] = {}  # see StreamedSwitch._owner

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gpuworker import slots
+from gpuworker import slots, stacking
 from gpuworker.slots import COPY, ZERO_COPY, SlotCounters, slot_arrays, zero_copy_supported
 
 SLOT = 16 * 1024
@@ -193,8 +193,8 @@ def test_stacked_equals_stack_of_copies_bit_for_bit(max_pooled):
     buffer[5 * SLOT : 6 * SLOT] = buffer2[5 * SLOT : 6 * SLOT]
     layouts.update(reordered)
     slots_ = [4, 1, 5, 3]
-    pool = slots.StackBuffers(max_pooled=max_pooled)
-    stacked, stats = slots.stacked_slot_arrays(buffer, slots_, SLOT, [layouts[s] for s in slots_], pool)
+    pool = stacking.StackBuffers(max_pooled=max_pooled)
+    stacked, stats = stacking.stacked_slot_arrays(buffer, slots_, SLOT, [layouts[s] for s in slots_], pool)
     singles = [slot_arrays(buffer, s, SLOT, layouts[s], zero_copy=False)[0] for s in slots_]
     assert stats.path == COPY and stats.bytes_copied == stats.nbytes == sum(
         t.nbytes for s in slots_ for t in layouts[s]
@@ -213,17 +213,17 @@ def test_stacked_equals_stack_of_copies_bit_for_bit(max_pooled):
 
 def test_pooled_buffers_are_reused_and_rewritten():
     buffer, layouts = _filled([(0, 1), (1, 2), (2, 3), (3, 4)], order=list(_random_sources(0)))
-    pool = slots.StackBuffers(max_pooled=4)
-    first, _ = slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], pool)
+    pool = stacking.StackBuffers(max_pooled=4)
+    first, _ = stacking.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], pool)
     kept = {name: array for name, array in first.items()}
-    second, _ = slots.stacked_slot_arrays(buffer, [2, 3], SLOT, [layouts[2], layouts[3]], pool)
+    second, _ = stacking.stacked_slot_arrays(buffer, [2, 3], SLOT, [layouts[2], layouts[3]], pool)
     for name, array in second.items():
         assert array is kept[name]  # the same MLX array, overwritten in place
         want = mx.stack([slot_arrays(buffer, s, SLOT, layouts[s], zero_copy=False)[0][name] for s in (2, 3)])
         assert _raw(array) == _raw(want)
     assert pool.pooled_bytes == sum(t.nbytes for t in layouts[0]) * 2
-    fresh = slots.StackBuffers(max_pooled=1)
-    _one, _ = slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], fresh)
+    fresh = stacking.StackBuffers(max_pooled=1)
+    _one, _ = stacking.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], layouts[1]], fresh)
     assert fresh.pooled_bytes == 0  # larger than max_pooled: not kept
 
 
@@ -231,6 +231,6 @@ def test_stacked_refuses_mismatched_layouts():
     buffer, layouts = _filled([(0, 1), (1, 2)], order=list(_random_sources(0)))
     short = layouts[1][:-1]
     with pytest.raises(ValueError, match="same tensors"):
-        slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], short], slots.StackBuffers())
+        stacking.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0], short], stacking.StackBuffers())
     with pytest.raises(ValueError, match="slots but"):
-        slots.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0]], slots.StackBuffers())
+        stacking.stacked_slot_arrays(buffer, [0, 1], SLOT, [layouts[0]], stacking.StackBuffers())
