@@ -65,6 +65,12 @@ def welcome_prefetch(config, store) -> int:
     return prefetch_count(mode, store.top_k, config.prefetch_margin)
 
 
+def welcome_copy_ahead(config, store) -> int:
+    """How many predicted experts the GPU worker copies ahead per decode layer (its welcome says;
+    0: none). Copy ahead only reads what is resident, so it predicts whatever the prefetch mode."""
+    return prefetch_count("on", store.top_k, config.prefetch_margin) if config.copy_ahead == "on" else 0
+
+
 @dataclass(frozen=True, slots=True)
 class PrefetchTelemetry:
     """What prefetch did over a period (a job, or the run)."""

@@ -15,6 +15,7 @@ between jobs, the footprint, live repin, heat decay and a ledger flush.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -33,7 +34,7 @@ from coordinator.leases import LeaseService
 from coordinator.liveness import GpuProgress, ProgressDeadline, kill_hung
 from coordinator.memory_budget import SlabSizing, measured_processes, system_roles
 from coordinator.metered_backend import LoadTimer, MeteredBackend
-from coordinator.prefetch import PrefetchBook, welcome_prefetch
+from coordinator.prefetch import PrefetchBook, welcome_copy_ahead, welcome_prefetch
 from coordinator.residency import ExpertResidencyManager
 from coordinator.safepoint import SafePoints
 from coordinator.stats import JobBook
@@ -76,11 +77,9 @@ NOT_READY = "not_ready"
 
 
 WATCH_INTERVAL_S = 0.5
-# A frame over ZMQ_MAXMSGSIZE is not refused: it drops the peer's connection. The jobs and GPU
-# sockets must take the largest legal `generate` (1 Mi prompt tokens at up to 9 msgpack bytes) and
-# `job_done`; the I/O socket (the backend's own) keeps the protocol default. The jobs socket takes
-# frames well beyond the largest legal request, so an oversized one can still be answered
-# (`message_too_large`, by the front door) instead of silently dropping the client.
+# A frame over ZMQ_MAXMSGSIZE drops the peer's connection (it is not refused). The jobs and GPU sockets
+# take the largest legal `generate` (1 Mi prompt tokens, up to 9 msgpack bytes each) and `job_done`; the jobs
+# socket well beyond it, so an oversized request is answered (`message_too_large`). The I/O socket: default.
 GPU_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 JOBS_MAX_MESSAGE_BYTES = 2 * MAX_REQUEST_BYTES + 8 * 1024 * 1024
 
@@ -307,10 +306,11 @@ class Coordinator:
                 slot_bytes=plan.slot_bytes,
                 working_slots=plan.working_slots,
                 block_size=self.store.block_size,
-                prefetch=welcome_prefetch(self.config, self.store),
+                prefetch=self._prefetch_count,
                 lease_layers=self.config.slab.lease_layers if self.publisher.enabled else 0,
                 lease_experts=self.config.slab.lease_experts if self.publisher.enabled else 0,
                 parts_min_bytes=self.config.decode_parts_min_bytes,
+                copy_ahead=welcome_copy_ahead(self.config, self.store) if self.publisher.enabled else 0,
             ),
         )
 
@@ -382,8 +382,12 @@ class Coordinator:
     def processes(self) -> tuple[ProcessInfo, ...]:
         return measured_processes(self.meter, self.config.run_dir)
 
+    @functools.cached_property
+    def _prefetch_count(self) -> int:  # predicted for prefetch (0: none, though copy ahead may predict)
+        return welcome_prefetch(self.config, self.store)
+
     def job_predicts(self) -> bool:
-        return self.manager.prefetch_book.job_starts()
+        return self._prefetch_count > 0 and self.manager.prefetch_book.job_starts()
 
     def begin_job(self, job_id: int) -> None:
         # The front door counts the job as running already: the first of a busy period opens the

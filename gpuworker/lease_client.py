@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from gpuworker.channel import Channel, LeaseError, WorkerStopping
+from gpuworker.copy_ahead import UNSORTED_ROUTES, CopyAhead
 from gpuworker.expert_provider import ExpertProviderError, LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
 from gpuworker.lease_stats import DECODE, END_STEP, PREFILL, LeaseClientStats, LeaseCounters
@@ -75,6 +76,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         words: LeaseWords | None = None,
         parts_min_bytes: int = 0,
         batch_rows: int = 1,
+        copy_ahead: bool = False,
     ) -> None:
         if working_slots < 1:
             raise ValueError(f"working_slots must be >= 1, got {working_slots}")
@@ -114,6 +116,13 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             else None
         )
         self._pending: list[mx.array] = []  # outputs of detached waves that may still read the pool
+        self._expert_bytes: dict[int, int] = {}  # layer -> one expert's tensor bytes
+        # Copy ahead (gpuworker.copy_ahead): copy path, lease words, and routes mlx-lm leaves unsorted.
+        self._ahead = (
+            CopyAhead(buffer=buffer, slot_bytes=slot_bytes, store=store, words=words, top_k=top_k)
+            if copy_ahead and words is not None and self.wrap_path == COPY and top_k < UNSORTED_ROUTES
+            else None
+        )
         self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet
         self._stats = LeaseCounters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
         self._phase = DECODE
@@ -122,11 +131,13 @@ class LeaseClient(SharedLeasing, WaveWrapping):
     # -- telemetry --------------------------------------------------------------------------------
 
     def stats(self) -> LeaseClientStats:
-        return self._stats.snapshot(compute_lanes=self.compute_lanes)
+        return self._stats.snapshot(compute_lanes=self.compute_lanes, ahead=self._ahead)
 
     def reset_stats(self) -> None:
         self._stats = LeaseCounters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
         self._bucket = self._stats.bucket(END_STEP, DECODE)
+        if self._ahead is not None:
+            self._ahead.reset_counters()
 
     @property
     def holding(self) -> bool:
@@ -148,8 +159,9 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         if self._visit is not None or (self._unsent is not None and not self._unsent_last):
             # A visit the module left unfinished (it always fences every wave): end it first.
             self.release()
+        staged = self._ahead.take(layer) if self._ahead is not None else None  # any other visit drops it
         if self.words is not None and routes.shape[0] <= self.batch_rows:  # a decode step's rows
-            shared = self._acquire_shared(layer, routes, prefetch)
+            shared = self._acquire_shared(layer, routes, prefetch, staged)
             if shared is not None:
                 return shared
         waves = wave_partition(routes, self.working_slots)
@@ -186,10 +198,14 @@ class LeaseClient(SharedLeasing, WaveWrapping):
                 else ()
             )
             # Parts are copied when the module takes them, each while the one before computes.
-            first = self._admit(visit, 0, lease, wrap=not parts)
+            ahead = staged is not None and visit.stacked and routes.shape[0] == 1 and len(waves) == 1 and not parts
+            first = self._admit(visit, 0, lease, wrap=not (parts or ahead))
         except BaseException:
             self._visit = None
             raise
+        if ahead:  # the set copied ahead serves this wave too: its bytes are the experts' own
+            slot_of = dict(zip(lease.experts, lease.slots))
+            return [self._staged_wave(visit, staged, waves[0], tuple(slot_of[e] for e in waves[0]))]
         if parts:
             whole = lambda: self._wrap(layer, waves[0], lease)  # noqa: E731  (a module that takes it whole)
             lanes = part_lanes(len(parts), self.compute_lanes)
@@ -208,6 +224,20 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             result.append(visit_wave(visit, index, lambda index=index: self._load_next(visit, index)))
         return result
 
+    @property
+    def copies_ahead(self) -> bool:
+        """Whether `stage` copies predicted experts ahead (the copy path, until it stops itself)."""
+        return self._ahead is not None and self._ahead.on
+
+    def stage(self, layer: int, experts: tuple[int, ...]) -> None:
+        """Copy the resident ones of `experts`, predicted for sparse layer `layer`, while the layer
+        before computes (`gpuworker.copy_ahead`); a visit's parts copy while they compute already."""
+        if self._ahead is None or self._in_parts(layer, experts[: self._ahead.top_k]):
+            return
+        copied, elapsed = self._ahead.stage(layer, experts)
+        if copied:  # while the layer before computes: not exposed
+            self._stats.count_copy(self._stats.bucket(layer, DECODE), elapsed, copied, COPY, exposed=False)
+
     def prefetch(self, layer: int, experts: tuple[int, ...]) -> None:
         """Send a prediction no `routes` can carry (the first sparse layer's); no reply is owed."""
         self._send(Prefetch(layer=layer, experts=experts))
@@ -221,8 +251,10 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             return
         visit.fenced[index] = True
         # A detached wave's outputs may still be computing from pooled buffers: the next copy
-        # into the pool waits for them (`_wrap`).
+        # into the pool (or into the set copied ahead) waits for them (`_wrap`, `CopyAhead.stage`).
         self._pending.extend(getattr(wave, "outputs", ()))
+        if visit.staged is not None and self._ahead is not None:
+            self._ahead.read_by(visit.staged, getattr(wave, "outputs", ()))
         if visit.shared is not None:  # the shared path: count out (if the copy has not already)
             self._count_out(visit)
             if self._visit is visit:
@@ -331,7 +363,10 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         """Whether a decode wave of `experts` is handed over in parts (copy path)."""
         if not self.parts_min_bytes:
             return True
-        return len(experts) * sum(t.nbytes for t in self.store.layout(layer, experts[0])) >= self.parts_min_bytes
+        one = self._expert_bytes.get(layer)
+        if one is None:
+            one = self._expert_bytes[layer] = sum(t.nbytes for t in self.store.layout(layer, experts[0]))
+        return len(experts) * one >= self.parts_min_bytes
 
     def _round_trip(self, message: object, what: str) -> object:
         started = time.perf_counter()

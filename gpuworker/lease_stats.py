@@ -57,6 +57,11 @@ class LeaseClientStats:
     shared_visits: int = 0
     shared_misses: int = 0  # an expert was not resident (or a race was lost)
     shared_behind: int = 0  # the coordinator had not yet processed every message sent
+    # Copy ahead (gpuworker.copy_ahead): "on", "stopped" (found too few routed experts staged), "off".
+    copy_ahead: str = "off"
+    copied_ahead: int = 0  # experts copied ahead (their bytes and time are in bytes_copied/copy_ms)
+    found_ahead: int = 0  # routed experts a visit found copied ahead ...
+    routed_ahead: int = 0  # ... of the routed experts of the visits a copied-ahead set served
 
 
 @dataclass(slots=True)
@@ -93,7 +98,7 @@ class LeaseCounters:
         if exposed:
             bucket[7] += elapsed
 
-    def snapshot(self, *, compute_lanes: int) -> LeaseClientStats:
+    def snapshot(self, *, compute_lanes: int, ahead=None) -> LeaseClientStats:
         """The totals so far, in milliseconds, buckets sorted by (phase, layer)."""
         layers = tuple(
             LayerLeaseClientStats(layer, phase, c[0], c[1], c[2] * 1e3, c[3] * 1e3, c[4], c[5], c[6], c[7] * 1e3, c[8])
@@ -115,6 +120,10 @@ class LeaseCounters:
             sum(c[8] for c in self.layers.values()),
             self.shared_misses,
             self.shared_behind,
+            "off" if ahead is None else "on" if ahead.on else "stopped",
+            0 if ahead is None else ahead.staged,
+            0 if ahead is None else ahead.used,
+            0 if ahead is None else ahead.routed,
         )
 
 

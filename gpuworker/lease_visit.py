@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuworker.channel import LeaseError
+from gpuworker.copy_ahead import StagedSet
 from gpuworker.expert_provider import LeasedWave
 from shared.gpu_messages import Lease
 
@@ -75,6 +76,7 @@ class Visit:
     # The shared path (lease words): the slots this visit is counted in on; () once counted out.
     # None: a message-path visit.
     shared: tuple[int, ...] | None = None
+    staged: StagedSet | None = None  # the copy-ahead set its tensors come from (gpuworker.copy_ahead)
 
 
 class VisitWave(LeasedWave):

@@ -111,6 +111,7 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
             compute_lanes=lanes,
             parts_min_bytes=welcome.parts_min_bytes,
             batch_rows=config.max_sequences,
+            copy_ahead=welcome.copy_ahead > 0,
             words=(
                 LeaseWords(
                     slab.buffer,
@@ -125,7 +126,9 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
         )
         unused = "" if client.wrap_path != ZERO_COPY else "; unused on the zero-copy path"
         logger.info("compute lanes: %d (%s)%s", lanes, why, unused)
-        model, info = load_streamed_model(config.model, provider=client, predict=welcome.prefetch)  # dense only
+        # The next layer's routers rank experts for prefetch (sent) and for copy ahead (local).
+        predict = max(welcome.prefetch, welcome.copy_ahead if client.copies_ahead else 0)
+        model, info = load_streamed_model(config.model, provider=client, predict=predict)  # dense only
         step = "checking the model against the store"
         check_against_store(info, store)
     except Exception as error:

@@ -157,6 +157,10 @@ def telemetry_json(generation, stats) -> str:
             "shared_visits": stats.shared_visits,
             "shared_misses": stats.shared_misses,
             "shared_behind": stats.shared_behind,
+            "copy_ahead": stats.copy_ahead,
+            "copied_ahead": stats.copied_ahead,
+            "found_ahead": stats.found_ahead,
+            "routed_ahead": stats.routed_ahead,
             "layers": [
                 [
                     s.layer,

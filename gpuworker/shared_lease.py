@@ -19,10 +19,12 @@ import time
 
 import numpy as np
 
+from gpuworker.copy_ahead import StagedSet
 from gpuworker.expert_provider import LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
 from gpuworker.lease_stats import DECODE
 from gpuworker.lease_visit import Visit, visit_wave
+from gpuworker.slots import COPY
 from shared.gpu_messages import Lease, Prediction, RouteMatrix, Visited
 
 __all__ = ["SharedLeasing"]
@@ -30,7 +32,7 @@ __all__ = ["SharedLeasing"]
 
 class SharedLeasing:
     """The lease client's shared path (its attributes: words, channel, working_slots,
-    compute_lanes, _sent, _visited_*, _unsent, _acks, _visit, _stack_pool, _stats, _bucket,
+    compute_lanes, _sent, _visited_*, _unsent, _acks, _visit, _stack_pool, _ahead, _stats, _bucket,
     _phase, and its `_wrap`/`_wrap_part`)."""
 
     def _send_visited(self, *, end_step: bool) -> None:
@@ -52,10 +54,14 @@ class SharedLeasing:
             self._acks.add(fence)
 
     def _acquire_shared(
-        self, layer: int, routes: np.ndarray, prefetch: tuple[int, tuple[int, ...]] | None
+        self,
+        layer: int,
+        routes: np.ndarray,
+        prefetch: tuple[int, tuple[int, ...]] | None,
+        staged: StagedSet | None = None,
     ) -> list[LeasedWave] | None:
         """The shared path for a decode visit of one or more sequences' rows (see the module
-        docstring); None: take messages."""
+        docstring); None: take messages. `staged`: this layer's experts copied ahead, if any."""
         assert self.words is not None
         if self.words.processed() != self._sent:
             self._stats.shared_behind += 1
@@ -122,6 +128,8 @@ class SharedLeasing:
                     if index == len(parts) - 1:
                         self._count_out(visit)
 
+            if staged is not None and one_row and not parts:
+                return [self._staged_wave(visit, staged, experts, slots)]
             if not parts:
                 return [visit_wave(visit, 0, whole)]
             return [visit_wave(visit, 0, whole, parts=parts, part_lanes=lanes, take_part=take_part)]
@@ -129,6 +137,25 @@ class SharedLeasing:
             self._visit = None
             self._count_out(visit)
             raise
+
+    def _staged_wave(self, visit: Visit, staged: StagedSet, experts: tuple[int, ...], slots: tuple[int, ...]):
+        """The visit's one wave from the set copied ahead (`slots`: its experts', leased by either
+        path): only the experts the set lacks are copied now."""
+        rows = self._ahead.place(staged, experts)
+        visit.staged = staged
+
+        def whole():
+            self._settle_pending()  # the layers before: evaluated already (this layer's input)
+            started = time.perf_counter()
+            try:
+                tensors, copied = self._ahead.fill(staged, experts, slots)
+            finally:
+                if visit.shared is not None:
+                    self._count_out(visit)  # copied: nothing reads the slots any more
+            self._stats.count_copy(self._bucket, time.perf_counter() - started, copied, COPY, exposed=True)
+            return tensors
+
+        return visit_wave(visit, 0, whole, stack_rows=rows)
 
     def _count_out(self, visit: Visit) -> None:
         """End a shared-path visit's counts (once): nothing reads its slots any more."""

@@ -289,9 +289,12 @@ class StreamedSwitch(nn.Module):
             )
         # The routes are data: evaluate them (and x, so no dense compute runs under the lease).
         # A decode step also ranks the next sparse layer's experts by that layer's router on x,
-        # in the same evaluation: its prediction rides with this layer's routes.
+        # in the same evaluation: its prediction rides with this layer's routes (prefetch), and
+        # the provider copies those experts while this layer computes (copy ahead).
         predict = self.predict if indices.size == indices.shape[-1] else None
-        if predict is not None and not predict.switch.on:  # this job does not predict (prefetch paused)
+        sends = predict is not None and predict.switch.on  # off: this job does not prefetch (paused)
+        stages = predict is not None and getattr(self.provider, "copies_ahead", False)
+        if not (sends or stages):
             predict = None
         scores = predict.rank(x) if predict is not None else None
         if scores is not None:
@@ -299,6 +302,7 @@ class StreamedSwitch(nn.Module):
         else:
             if predict is not None:
                 self.predict = predict = None  # rank() said why; this layer stops predicting
+                sends = stages = False
             _evaluate(x, indices)
         routes = np.array(indices, copy=True).astype(np.int32).reshape(-1, indices.shape[-1])
         if routes.size and (routes.min() < 0 or routes.max() >= self.num_experts):
@@ -306,19 +310,22 @@ class StreamedSwitch(nn.Module):
         routes.setflags(write=False)
         if routes.size == 0:
             return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
-        if predict is not None:
-            prefetch = (predict.layer, predict.predict(scores))
-            del scores
-            waves = list(self.provider.acquire(self.layer, routes, prefetch=prefetch))
+        predicted = predict.predict(scores) if predict is not None else ()
+        del scores
+        if sends:
+            waves = list(self.provider.acquire(self.layer, routes, prefetch=(predict.layer, predicted)))
         else:
             waves = list(self.provider.acquire(self.layer, routes))
         fenced: list[LeasedWave] = []
         try:
             check_waves(waves, routes, self.num_experts, self.layer)
-            return self._waves(x, indices, routes, waves, fenced)
+            y = self._waves(x, indices, routes, waves, fenced)
         except BaseException as error:
             self._release_after_error(waves, fenced, error)
             raise
+        if stages and predicted:  # this layer's experts are computing: copy the next one's now
+            self.provider.stage(predict.layer, predicted)
+        return y
 
     def _release_after_error(self, waves: Sequence[LeasedWave], fenced: list[LeasedWave], error: BaseException) -> None:
         """Drop everything that may read the waves, then fence the ones not fenced yet.

@@ -224,6 +224,12 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
             f"({s.get('exposed_copy_ms_per_token', 0):.1f} not overlapped; {s.get('copied_MB_per_token', 0):.1f} MB); "
             f"tokens {'match' if s['tokens_match'] else 'DIFFER'}"
         )
+        if s.get("copy_ahead_visit_fraction"):
+            lines.append(
+                f"  copy ahead: {s['copy_ahead_visit_fraction']:.2f} of the routed experts were in visits it served; "
+                f"{s['copy_ahead_found_fraction']:.2f} of those found copied already; precision "
+                f"{s['copy_ahead_precision']:.2f}"
+            )
         cpu = s.get("cpu_ms_per_token")
         if cpu:
             lines.append(

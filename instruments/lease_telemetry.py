@@ -98,6 +98,11 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
         "copied_MB_per_token": sum(r["bytes_copied"] for r in decode) / passes / MB,
         "misses_per_token": misses / passes,
         "misses_per_visit": misses / visits,
+        # copy ahead (gpuworker.copy_ahead): the share of routed experts found copied ahead, and of
+        # the experts copied ahead the share a visit used
+        "copy_ahead_found_fraction": record.get("found_ahead", 0) / max(1, record.get("routed_ahead", 0)),
+        "copy_ahead_precision": record.get("found_ahead", 0) / max(1, record.get("copied_ahead", 0)),
+        "copy_ahead_visit_fraction": record.get("routed_ahead", 0) / max(1, sum(r["experts"] for r in decode)),
         "miss_bytes_per_token": misses * expert_bytes / passes,
         "per_layer": {
             str(r["layer"]): {
@@ -126,4 +131,7 @@ TELEMETRY_KEYS = (
     "misses_per_token",
     "misses_per_visit",
     "miss_bytes_per_token",
+    "copy_ahead_found_fraction",
+    "copy_ahead_precision",
+    "copy_ahead_visit_fraction",
 )

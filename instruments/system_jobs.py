@@ -41,6 +41,7 @@ class System:
         io_staging: str = "auto",
         lease_path: str = "shared",
         max_sequences: int | None = None,
+        copy_ahead: str = "on",
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
@@ -60,7 +61,7 @@ class System:
             prefetch=prefetch,
             io_staging=io_staging,
             lease_path=lease_path,
-            run_config=None if max_sequences is None else {"max_sequences": max_sequences},
+            run_config={"copy_ahead": copy_ahead} | ({} if max_sequences is None else {"max_sequences": max_sequences}),
         )
         self.prefetch = prefetch
         self.startup_s = time.perf_counter() - started

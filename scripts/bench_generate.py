@@ -76,7 +76,7 @@ from instruments.lease_telemetry import TelemetryLog
 from instruments.machine import MemoryWatch, total_memory
 from instruments.mlx_reference import MlxLm, prompt_tokens, until_eos
 from instruments.system_jobs import System
-from shared.config import LEASE_PATHS, check_compute_lanes
+from shared.config import COPY_AHEAD_MODES, LEASE_PATHS, check_compute_lanes
 from shared.store import ExpertStore
 
 
@@ -116,6 +116,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     run.add_argument(
         "--lease-path", choices=LEASE_PATHS, default="shared", help="how the GPU worker leases resident experts"
+    )
+    run.add_argument(
+        "--copy-ahead",
+        choices=COPY_AHEAD_MODES,
+        default="on",
+        help="copy the next layer's predicted experts while a layer computes (copy path)",
     )
     run.add_argument(
         "--max-sequences",
@@ -208,6 +214,7 @@ class Bench:
             io_staging=self.args.io_staging,
             lease_path=self.args.lease_path,
             max_sequences=self.args.max_sequences,
+            copy_ahead=self.args.copy_ahead,
         )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the

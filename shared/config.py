@@ -31,6 +31,7 @@ PREFETCH_MODES = ("auto", "on", "off")
 # How the GPU worker leases resident experts: `shared` (the lease words, shared.lease_words; misses
 # take messages) or `messages` (every layer visit a routes -> lease round trip).
 LEASE_PATHS = ("shared", "messages")
+COPY_AHEAD_MODES = ("on", "off")  # gpuworker/copy_ahead.py
 STAGING_MODES = ("auto", "on", "off")  # native.staging.STAGING_REQUESTS
 TEST_HOOKS = ("scribble_fenced", "verify_fenced")
 MAX_SEQUENCES = 64  # jobs decoded together at most (each holds its KV cache in the GPU worker)
@@ -151,6 +152,9 @@ class RunConfig:
     # A decode wave of fewer bytes is copied and computed whole, not in parts over the compute
     # lanes: each part's evaluation costs ~0.1 ms of dispatch here, more than a small copy hides.
     decode_parts_min_bytes: int = 4 * 1024 * 1024
+    # Copy path: a decode step copies the next sparse layer's predicted experts while this layer
+    # computes (gpuworker/copy_ahead.py), so that only mispredicted ones are copied on its critical path.
+    copy_ahead: str = "on"  # COPY_AHEAD_MODES
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy (parse_replacement)
@@ -305,6 +309,8 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"io_staging must be one of {STAGING_MODES}, got {config.io_staging!r}")
     if config.prefetch_margin is not None and not 0 <= config.prefetch_margin <= 64:
         raise ConfigError(f"prefetch_margin must be in [0, 64], got {config.prefetch_margin}")
+    if config.copy_ahead not in COPY_AHEAD_MODES:
+        raise ConfigError(f"copy_ahead must be one of {COPY_AHEAD_MODES}, got {config.copy_ahead!r}")
     if config.lease_path not in LEASE_PATHS:
         raise ConfigError(f"lease_path must be one of {LEASE_PATHS}, got {config.lease_path!r}")
     if config.prefetch not in PREFETCH_MODES:
@@ -354,6 +360,7 @@ def read_config(path: str | os.PathLike[str]) -> RunConfig:
 __all__ = [
     "CONFIG_FILE",
     "CONFIG_VERSION",
+    "COPY_AHEAD_MODES",
     "DEFAULT_REPLACEMENT",
     "IO_MODES",
     "LEASE_PATHS",

@@ -111,6 +111,7 @@ class GpuWelcome:
     lease_layers: int = 0
     lease_experts: int = 0
     parts_min_bytes: int = 0  # a smaller decode wave is copied and computed whole (0: always in parts)
+    copy_ahead: int = 0  # experts of the next sparse layer to copy ahead per decode step (0: none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,7 +164,7 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 replacement=options.replacement,
                 lease_path=options.lease_path,
                 # The launcher's own memory is in the budget (coordinator/footprint.py).
-                run_config={**job_limits(options), "supervisor_pid": os.getpid()},
+                run_config={**job_limits(options), "copy_ahead": options.copy_ahead, "supervisor_pid": os.getpid()},
                 curve=options.curve,
                 curve_keys=options.curve_keys,
                 http=options.http,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.config import (
+    COPY_AHEAD_MODES,
     DEFAULT_REPLACEMENT,
     LEASE_PATHS,
     PREFETCH_MODES,
@@ -55,6 +56,7 @@ class SupervisorOptions:
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
     lease_path: str = "shared"  # shared.config.LEASE_PATHS
+    copy_ahead: str = "on"  # shared.config.COPY_AHEAD_MODES
     # The job front door's limits (coordinator/job_limits.py); None: the model's context, or half the queue.
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
@@ -176,6 +178,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         "(auto: a layer whose prefetches are not used stops)",
     )
     add(
+        "--copy-ahead",
+        choices=COPY_AHEAD_MODES,
+        default="on",
+        help="copy path (CPU, CUDA): copy the experts the next layer's router predicts while a layer "
+        "computes, so that only mispredicted ones are copied when the layer's routes are known",
+    )
+    add(
         "--lease-path",
         choices=LEASE_PATHS,
         default="shared",
@@ -293,6 +302,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         prefetch=ns.prefetch,
         replacement=ns.replacement,
         lease_path=ns.lease_path,
+        copy_ahead=ns.copy_ahead,
         max_prompt_tokens=ns.max_prompt_tokens,
         max_tokens=ns.max_tokens,
         max_queued_per_client=ns.max_queued_per_client,

@@ -83,16 +83,19 @@ def _check_against(result, want) -> float:
 # Token-exact against mlx-lm, every family, full precision and 4-bit
 
 
-def _lanes_of_jobs(records) -> list[tuple[int, list[int]]]:
-    """(compute lanes, decode parts per lane) of each job's GPU worker telemetry line (its
-    stderr is forwarded)."""
+def _telemetry_of_jobs(records) -> list[dict]:
+    """Each job's GPU worker telemetry line (its stderr is forwarded)."""
     found = []
     for record in records:
         match = re.search(r"lease telemetry: (\{.*\})", record.getMessage())
         if match:
-            telemetry = json.loads(match.group(1))
-            found.append((telemetry["compute_lanes"], telemetry["lane_parts"]))
+            found.append(json.loads(match.group(1)))
     return found
+
+
+def _lanes_of_jobs(records) -> list[tuple[int, list[int]]]:
+    """(compute lanes, decode parts per lane) of each job's GPU worker telemetry."""
+    return [(telemetry["compute_lanes"], telemetry["lane_parts"]) for telemetry in _telemetry_of_jobs(records)]
 
 
 # Two compute lanes (what auto picks on a 2-core CPU) everywhere, stated so that a machine with
@@ -178,10 +181,15 @@ def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quant
         first = run_job(system, max_tokens=GENERATED)
         second = run_job(system, max_tokens=GENERATED)
         hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
-        job_lanes = wait_for(lambda: len(found := _lanes_of_jobs(caplog.records)) == 2 and found)
+        jobs = wait_for(lambda: len(found := _telemetry_of_jobs(caplog.records)) == 2 and found)
     assert max(_check_against(result, want) for result in (first, second)) <= RTOL
     # Small waves (under decode_parts_min_bytes) are copied and computed whole: no parts.
-    assert job_lanes and all(sum(parts) == 0 for _, parts in job_lanes), job_lanes
+    assert all(sum(job["lane_parts"]) == 0 for job in jobs), jobs
+    # ... and copied ahead from the next layer's prediction while the layer before computed
+    # (gpuworker.copy_ahead): visits found experts there, and the tokens are still exact.
+    log.info("copy ahead: %s", [{k: job[k] for k in job if "ahead" in k} for job in jobs])
+    assert jobs[0]["copy_ahead"] in ("on", "stopped") and jobs[0]["copied_ahead"] > 0, jobs[0]
+    assert 0 < jobs[0]["found_ahead"] <= jobs[0]["routed_ahead"], jobs[0]
     stats = second.done.stats
     assert stats.shared_leases > 0.3 and stats.misses > 0, stats  # both paths served the job
     assert stats.shared_leases <= stats.all_resident
