@@ -310,9 +310,8 @@ class StreamedSwitch(nn.Module):
         routes.setflags(write=False)
         if routes.size == 0:
             return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
-        predicted = predict.predict(scores) if predict is not None else ()
-        del scores
-        if sends:
+        if sends:  # the prediction rides with the lease request
+            predicted = predict.predict(scores)
             waves = list(self.provider.acquire(self.layer, routes, prefetch=(predict.layer, predicted)))
         else:
             waves = list(self.provider.acquire(self.layer, routes))
@@ -323,8 +322,10 @@ class StreamedSwitch(nn.Module):
         except BaseException as error:
             self._release_after_error(waves, fenced, error)
             raise
-        if stages and predicted:  # this layer's experts are computing: copy the next one's now
-            self.provider.stage(predict.layer, predicted)
+        if stages:  # this layer's experts are computing: rank and copy the next one's now
+            predicted = predicted if sends else predict.predict(scores)
+            if predicted:
+                self.provider.stage(predict.layer, predicted)
         return y
 
     def _release_after_error(self, waves: Sequence[LeasedWave], fenced: list[LeasedWave], error: BaseException) -> None:
