@@ -15,7 +15,10 @@ for each leased wave:
 4. only then fences the wave (zero-copy arrays read the slab itself).
 
 One wave (decode): the original call with the full, monotonically remapped
-indices, so the sort, the kernels and the result are mlx-lm's bit for bit.
+indices, so the sort, the kernels and the result are mlx-lm's bit for bit. A
+wave copied ahead (`LeasedWave.stack_rows`, `gpuworker.copy_ahead`) names its
+rows in any order: a decode row has fewer routes than mlx-lm sorts (64), so
+its kernels compute each (token, expert) product from the same bytes alike.
 A decode wave may come in parts (consecutive ranks of its one route row, see
 `LeasedWave.parts`): each part is one call of the original module on its
 ranks, started (`mx.async_eval`) before the next part's tensors are taken, so
