@@ -174,6 +174,7 @@ class CopyAhead:
             self.on = False
             self._staged = None
             self._pool.clear()
+            self._last_readers.clear()
             logger.info(
                 "copy ahead stopped: %.0f%% of the routed experts were staged (below %.0f%%)",
                 100 * share,
