@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -58,7 +58,6 @@ class StagedSet:
     capacity: int
     target: dict[str, tuple[np.ndarray, mx.array]]
     used: int = 0  # routed experts the visit found here
-    readers: list[mx.array] = field(default_factory=list)  # outputs of the visit that read it
 
 
 class CopyAhead:
