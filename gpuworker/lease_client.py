@@ -117,10 +117,15 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         )
         self._pending: list[mx.array] = []  # outputs of detached waves that may still read the pool
         self._expert_bytes: dict[int, int] = {}  # layer -> one expert's tensor bytes
-        # Copy ahead (gpuworker.copy_ahead): copy path, lease words, and routes mlx-lm leaves unsorted.
+        # Copy ahead (gpuworker.copy_ahead): copy path, lease words, routes mlx-lm leaves unsorted, and
+        # whole decode waves (parts copy while computing already: ranking ahead would be for nothing).
         self._ahead = (
             CopyAhead(buffer=buffer, slot_bytes=slot_bytes, store=store, words=words, top_k=top_k)
-            if copy_ahead and words is not None and self.wrap_path == COPY and top_k < UNSORTED_ROUTES
+            if copy_ahead
+            and words is not None
+            and self.wrap_path == COPY
+            and top_k < UNSORTED_ROUTES
+            and not self._in_parts(store.sparse_layers[0], range(top_k))
             else None
         )
         self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet

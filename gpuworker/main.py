@@ -126,6 +126,8 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
         )
         unused = "" if client.wrap_path != ZERO_COPY else "; unused on the zero-copy path"
         logger.info("compute lanes: %d (%s)%s", lanes, why, unused)
+        if welcome.copy_ahead and not client.copies_ahead:
+            logger.info("copy ahead: off (zero copy, no lease words, or decode waves copied in parts)")
         # The next layer's routers rank experts for prefetch (sent) and for copy ahead (local).
         predict = max(welcome.prefetch, welcome.copy_ahead if client.copies_ahead else 0)
         model, info = load_streamed_model(config.model, provider=client, predict=predict)  # dense only

@@ -51,7 +51,7 @@ def _stack_spec(layout: Sequence[SlotTensorLike], slot_bytes: int) -> _StackSpec
         return entry[2]
     _check_layout(layout, slot_bytes)
     tensors = tuple(sorted(layout, key=lambda tensor: tensor.name))
-    key = tuple((t.name, t.dtype, tuple(t.shape)) for t in tensors)
+    key = _pool_key(tensors)  # the pool's own key: sorted (name, dtype, shape), as `tensors` are
     spec = _StackSpec(
         key=_KEYS.setdefault(key, key),
         tensors=tensors,
