@@ -2,9 +2,9 @@
 
 The residency core (coordinator.residency_core) consults its policy at three points and nowhere
 else: `touch` after every demand wave it leased (the experts the wave used, hits and misses),
-the victim choice at the wave's fenced release, where the smallest `eviction_key` among
-the layer's ready, unleased slots goes first (idle slots always go before any of them: the
-core's rule) and `admit` may keep a miss out, and the same victim choice (`choose_victim`)
+the wave's fenced release, where its misses are promoted in `promotion_order`, each replacing
+the smallest `eviction_key` among the layer's ready, unleased slots (idle slots always go before
+any of them: the core's rule) unless `admit` keeps it out, and the same victim choice (`choose_victim`)
 when a prefetch needs a slot (coordinator.residency_prefetch). The core's invariants do not
 depend on the policy: it only ever ranks slots the core offers (never leased, never loading,
 never one of the wave's own slots).
@@ -17,13 +17,20 @@ never one of the wave's own slots).
   expert is ranked like any resident of its layer, and when it is the one to go, its pin
   passes to the layer's highest-ranked unpinned resident, so the layer's capacity and the
   pinned tier's size never change; history only chooses what is resident at the start.
+- `nextuse` (coordinator.next_use, the system's default) ranks by a chance of use at the layer's
+  next visit that a small logistic model learns online (recency, two decayed counts, and decayed
+  transitions: which experts follow the ones just used). It admits a miss only when the miss
+  ranks above its victim, and the core promotes a wave's misses in the order `promotion_order`
+  gives (likeliest first), so a layer keeps the likeliest of its residents and the wave's misses.
+  Its pins are adaptive as under `lrfu`.
 
-Why `lrfu`, and why it admits every miss: on real routing (DeepSeek-V2-Lite, `scripts/replay.py`)
+Why `lrfu` admits every miss: on real routing (DeepSeek-V2-Lite, `scripts/replay.py`)
 an expert used at the layer's previous visit is the likeliest to be used at the next (the
 consecutive-token overlap), so misses are always kept; among the older residents, how often an
 expert was used lately predicts its next use much better than when it was last used. Declining
 misses whose score is below the victim's (TinyLFU-style admission) lost 3 to 13 points there
-at 8 slots per layer, in a simulation of that rule for half-lives from 8 to unbounded.
+at 8 slots per layer, in a simulation of that rule for half-lives from 8 to unbounded; a decayed
+count is the wrong yardstick for a miss, which `nextuse`'s learned chance is not.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from coordinator.next_use import NextUse
 from coordinator.slot_table import SlotRecord, SlotTable, least_recent
 from shared.config import parse_replacement
 
@@ -58,6 +66,10 @@ class ReplacementPolicy(Protocol):
         """Whether a miss of `layer` may replace `victim` (False: it is served and dropped)."""
         ...
 
+    def promotion_order(self, layer: int, expert_ids: Sequence[int]) -> list[int]:
+        """The order in which a released wave's misses (`expert_ids`, the core's order) are promoted."""
+        ...
+
 
 class LRU:
     """Least recently used (the seed): the core's clock (`SlotRecord.last_use`) is its only state."""
@@ -73,6 +85,9 @@ class LRU:
 
     def admit(self, layer: int, expert_id: int, victim: SlotRecord) -> bool:
         return True
+
+    def promotion_order(self, layer: int, expert_ids: Sequence[int]) -> list[int]:
+        return list(expert_ids)
 
 
 class LRFU:
@@ -110,6 +125,9 @@ class LRFU:
 
     def admit(self, layer: int, expert_id: int, victim: SlotRecord) -> bool:
         return True  # see the module: the just-used expert is the likeliest to be used next
+
+    def promotion_order(self, layer: int, expert_ids: Sequence[int]) -> list[int]:
+        return list(expert_ids)
 
 
 def choose_victim(
@@ -151,14 +169,16 @@ def choose_victim(
 
 
 def replacement_policy(spec: str | ReplacementPolicy = "lru") -> ReplacementPolicy:
-    """A policy from its spec (`lru`, `lrfu`, `lrfu:32`: `shared.config.parse_replacement`), or `spec`
-    itself when it already is one."""
+    """A policy from its spec (`lru`, `lrfu`, `lrfu:32`, `nextuse`, `nextuse:256`:
+    `shared.config.parse_replacement`), or `spec` itself when it already is one."""
     if not isinstance(spec, str):
         return spec
     name, knob = parse_replacement(spec)
     if name == "lrfu":
         return LRFU() if knob is None else LRFU(half_life=knob)
+    if name == "nextuse":
+        return NextUse() if knob is None else NextUse(transition_half_life=knob)
     return LRU()
 
 
-__all__ = ["DEFAULT_HALF_LIFE", "LRFU", "LRU", "ReplacementPolicy", "choose_victim", "replacement_policy"]
+__all__ = ["DEFAULT_HALF_LIFE", "LRFU", "LRU", "NextUse", "ReplacementPolicy", "choose_victim", "replacement_policy"]

@@ -224,6 +224,10 @@ class ResidencyCore:
 
         try:
             misses = [entry for entry in reversed(entries) if not entry.hit]
+            by_expert = {entry.expert_id: entry for entry in misses}  # one wave: one layer
+            if misses:
+                order = self._replacement.promotion_order(misses[0].layer, list(by_expert))
+                misses = [by_expert[expert] for expert in order]
             promoted: set[int] = set()
             for entry in misses:
                 record = self._slots[entry.slot]

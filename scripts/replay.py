@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--replacement",
         default=DEFAULT_REPLACEMENT,
         metavar="NAME[,NAME...]",
-        help=f"the manager's replacement policies to replay: lru, lrfu or lrfu:HALF_LIFE "
+        help=f"the manager's replacement policies to replay: nextuse[:TRANSITION_HALF_LIFE], lrfu[:HALF_LIFE], lru "
         f"(default {DEFAULT_REPLACEMENT}, the system's); the first is 'ours' in the JSON",
     )
     parser.add_argument(

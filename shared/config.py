@@ -38,9 +38,9 @@ MAX_SEQUENCES = 64  # jobs decoded together at most (each holds its KV cache in 
 # The residency manager's replacement policies (coordinator.replacement implements each; the one
 # knob of a policy that has one follows its name: `lrfu:16`). The system default is the best one
 # measured on real routing with scripts/replay.py; the manager's own default stays `lru`.
-REPLACEMENT_POLICIES = ("lru", "lrfu")
-REPLACEMENT_KNOBS = ("lrfu",)  # the policies that take a knob
-DEFAULT_REPLACEMENT = "lrfu"
+REPLACEMENT_POLICIES = ("lru", "lrfu", "nextuse")
+REPLACEMENT_KNOBS = ("lrfu", "nextuse")  # the policies that take a knob
+DEFAULT_REPLACEMENT = "nextuse"
 # The GPU worker's --compute-lanes bound (MLX streams for a decode wave's parts; gpuworker.lanes).
 MAX_COMPUTE_LANES = 16
 # sun_path is 108 bytes on Linux, 104 on macOS; keep a margin for the socket names.

@@ -196,7 +196,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         type=_replacement,
         default=DEFAULT_REPLACEMENT,
         metavar="NAME",
-        help=f"the resident experts' replacement policy: lru or lrfu[:HALF_LIFE] (default {DEFAULT_REPLACEMENT})",
+        help=f"the resident experts' replacement policy: nextuse[:TRANSITION_HALF_LIFE], lrfu[:HALF_LIFE] "
+        f"or lru (default {DEFAULT_REPLACEMENT})",
     )
     add(
         "--max-prompt-tokens",

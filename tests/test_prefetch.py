@@ -361,6 +361,10 @@ class PinnedLRFUPrefetchMachine(PinnedPrefetchMachine):
     replacement = "lrfu:1"  # a short half-life: pins pass on often
 
 
+class PinnedNextUsePrefetchMachine(PinnedPrefetchMachine):
+    replacement = "nextuse:1"  # declines misses, promotes by rank, passes pins
+
+
 def _machine_settings(examples: int) -> settings:
     return settings(
         max_examples=examples, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -370,6 +374,8 @@ def _machine_settings(examples: int) -> settings:
 PrefetchMachine.TestCase.settings = _machine_settings(60)
 PinnedPrefetchMachine.TestCase.settings = _machine_settings(50)
 PinnedLRFUPrefetchMachine.TestCase.settings = _machine_settings(50)
+PinnedNextUsePrefetchMachine.TestCase.settings = _machine_settings(50)
 test_prefetch_state_machine = PrefetchMachine.TestCase
 test_prefetch_with_pins_failures_and_pressure_lru = PinnedPrefetchMachine.TestCase
 test_prefetch_with_pins_failures_and_pressure_lrfu = PinnedLRFUPrefetchMachine.TestCase
+test_prefetch_with_pins_failures_and_pressure_nextuse = PinnedNextUsePrefetchMachine.TestCase

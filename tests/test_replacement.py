@@ -17,50 +17,12 @@ from coordinator.memory_backend import InMemoryBackend
 from coordinator.replacement import DEFAULT_HALF_LIFE, LRFU, LRU, replacement_policy
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import StaleLeaseError
-from coordinator.slot_table import SlotRecord
 from coordinator.usage import ExpertUsageLedger
 from shared.config import DEFAULT_REPLACEMENT, REPLACEMENT_POLICIES, parse_replacement
 from shared.plan import plan_expert_residency
-from shared.segments import ExpertIOSegment, ExpertResidencyLocation
-from tests.helpers.residency import one_byte_plan
-
-
-def _locate(layer: int, expert: int) -> ExpertResidencyLocation:
-    segment = ExpertIOSegment(file=layer, offset=expert, length=1, destination=0)
-    return ExpertResidencyLocation(layer, expert, (segment,))
-
-
-def make(*, replacement, layers=(0,), working=2, per_layer=2, pins=(), usage=None) -> ExpertResidencyManager:
-    plan = one_byte_plan(layers=layers, working=working, per_layer=per_layer, pins=len(pins))
-    return ExpertResidencyManager(
-        plan=plan,
-        sparse_layer_ids=list(layers),
-        backend=InMemoryBackend(plan.total_slots),
-        locate=_locate,
-        pinned=list(pins),
-        usage=usage,
-        replacement=replacement,
-    )
-
-
-def visit(manager: ExpertResidencyManager, layer: int, ids) -> list[bool]:
-    """One demand wave, released at once; the hit flag of each expert."""
-
-    async def go():
-        lease = await manager.acquire_block(layer, ids)
-        lease.release_fenced()
-        return [entry.hit for entry in lease.entries]
-
-    return asyncio.run(go())
-
-
-def resident(manager) -> dict[tuple[int, int], str]:
-    return {(e.layer, e.expert_id): e.tier for e in manager.residency_map()}
-
-
-def record(*, slot=0, layer=0, expert=None, last_use=0, phase="ready") -> SlotRecord:
-    return SlotRecord(id=slot, role="layer", layer=layer, phase=phase, expert_id=expert, last_use=last_use)
-
+from tests.helpers.residency import locate_one_byte as _locate
+from tests.helpers.residency import make_manager as make
+from tests.helpers.residency import record, resident, visit
 
 # -- names ---------------------------------------------------------------------------------
 

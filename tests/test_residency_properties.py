@@ -317,14 +317,19 @@ class ShortHalfLifeResidencyMachine(ResidencyMachine):
     replacement = "lrfu:1"  # scores fall fast: pins pass between experts often
 
 
-for _machine in (LrfuResidencyMachine, ShortHalfLifeResidencyMachine):
+class NextUseResidencyMachine(ResidencyMachine):
+    replacement = "nextuse:1"  # transitions forgotten fast: ranks, admissions and pins move often
+
+
+for _machine in (LrfuResidencyMachine, ShortHalfLifeResidencyMachine, NextUseResidencyMachine):
     _machine.TestCase.settings = ResidencyMachine.TestCase.settings
 TestLrfuResidencyMachine = LrfuResidencyMachine.TestCase
 TestShortHalfLifeResidencyMachine = ShortHalfLifeResidencyMachine.TestCase
+TestNextUseResidencyMachine = NextUseResidencyMachine.TestCase
 
 
 def test_every_replacement_policy_has_a_machine() -> None:
-    machines = (ResidencyMachine, LrfuResidencyMachine, ShortHalfLifeResidencyMachine)
+    machines = (ResidencyMachine, LrfuResidencyMachine, ShortHalfLifeResidencyMachine, NextUseResidencyMachine)
     assert {machine.replacement.partition(":")[0] for machine in machines} == set(REPLACEMENT_POLICIES)
 
 

@@ -1,0 +1,108 @@
+"""The `nextuse` replacement policy (coordinator.next_use): what it learns, what it keeps, its edges.
+
+The manager scenarios are where it parts ways with LRU: a routing cycle longer than the layer's
+slots (LRU misses every time; the transitions tell which set comes next), and a one-off miss
+that is served but not kept in place of a pair in steady use. The model's own edges: the lazy
+decay of the transition counts equals a plain decay, expert ids past the first size grow the
+arrays, and bad ids are refused with the policy's state unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import coordinator.next_use as next_use
+from coordinator.next_use import NextUse
+from coordinator.replacement import replacement_policy
+from tests.helpers.residency import make_manager as make
+from tests.helpers.residency import record, resident, visit
+
+
+def test_the_spec_names_the_transition_half_life():
+    assert replacement_policy("nextuse").transition_half_life == next_use.DEFAULT_TRANSITION_HALF_LIFE
+    assert replacement_policy("nextuse:32").transition_half_life == 32
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="transition_half_life"):
+            NextUse(transition_half_life=bad)
+
+
+def _hit_rate(replacement, cycle, *, per_layer, rounds):
+    manager = make(replacement=replacement, working=4, per_layer=per_layer)
+    hits = [visit(manager, 0, cycle[i % len(cycle)]) for i in range(rounds * len(cycle))]
+    late = hits[len(hits) // 2 :]
+    return sum(map(sum, late)) / sum(map(len, late))
+
+
+def test_a_cycle_longer_than_the_slots_misses_under_lru_and_hits_under_nextuse():
+    cycle = [[1, 2], [3, 4], [5, 6]]  # six experts through four slots, always in this order
+    assert _hit_rate("lru", cycle, per_layer=4, rounds=40) == 0.0
+    # nextuse learns that after {5, 6} comes {1, 2}, and keeps the set that comes next
+    assert _hit_rate("nextuse", cycle, per_layer=4, rounds=40) >= 0.45
+
+
+def test_a_one_off_miss_is_served_and_not_kept_in_place_of_a_pair_in_steady_use():
+    for replacement, hits in (("lru", [False, True]), ("nextuse", [True, True])):
+        manager = make(replacement=replacement, per_layer=2)
+        for _ in range(30):
+            visit(manager, 0, [1, 2])
+        assert visit(manager, 0, [9]) == [False]
+        assert visit(manager, 0, [1, 2]) == hits, replacement  # LRU put 9 in place of 1
+        if replacement == "nextuse":
+            assert set(resident(manager)) == {(0, 1), (0, 2)}
+            assert manager.snapshot().evictions == 0
+
+
+def test_misses_are_promoted_likeliest_first_and_admitted_only_above_the_victim():
+    policy = NextUse()
+    for _ in range(20):
+        policy.touch(0, [1, 2, 3])
+    policy.touch(0, [1, 7])
+    assert policy.rank(0, 1) > policy.rank(0, 7)  # used now and often beats used now once
+    assert policy.promotion_order(0, [7, 1]) == [1, 7]
+    cold, hot = record(slot=0, expert=7), record(slot=1, expert=1)
+    assert policy.admit(0, 1, cold) and not policy.admit(0, 7, hot)
+    assert policy.admit(0, 7, record(slot=2, layer=None, expert=None, phase="idle"))  # idle: always
+    assert policy.eviction_key(cold) < policy.eviction_key(hot)
+    assert policy.rank(0, 40) < policy.rank(0, 7)  # never used: least likely
+    assert policy.rank(5, 1) == -math.inf and policy.rank(0, 10_000) == -math.inf  # never seen
+
+
+def test_the_lazy_transition_decay_equals_decaying_every_count(monkeypatch):
+    rng = np.random.default_rng(3)
+    visits = [sorted(rng.choice(64, 6, replace=False).tolist()) for _ in range(120)]
+    plain = NextUse(transition_half_life=2)
+    for ids in visits:
+        plain.touch(0, ids)
+    monkeypatch.setattr(next_use, "_RESCALE_AT", 4.0)  # fold the scale back in every few visits
+    folded = NextUse(transition_half_life=2)
+    for ids in visits:
+        folded.touch(0, ids)
+    assert np.allclose(plain._ranks[0], folded._ranks[0], rtol=1e-5, atol=1e-6)  # float32 transitions
+    assert np.allclose(plain.weights, folded.weights, rtol=1e-5)
+    assert folded._layers[0]._scale <= 4.0 * 2**0.5
+
+
+def test_ids_past_the_first_size_grow_the_model_and_keep_what_it_learned():
+    policy = NextUse()
+    for _ in range(10):
+        policy.touch(3, [1, 2])
+    before = policy.rank(3, 1)
+    policy.touch(3, [1, 300])
+    assert policy._layers[3].experts >= 301
+    assert math.isfinite(policy.rank(3, 300)) and policy.rank(3, 1) > policy.rank(3, 5)
+    assert before != policy.rank(3, 1)
+    policy.touch(3, [])  # an empty visit decays and learns; nothing breaks
+    assert all(math.isfinite(w) for w in policy.weights)
+
+
+def test_a_negative_id_is_refused_and_changes_nothing():
+    policy = NextUse()
+    policy.touch(0, [1, 2])
+    weights, ranks = policy.weights, policy._ranks[0].copy()
+    with pytest.raises(ValueError, match=r"\[1, -4\]"):
+        policy.touch(0, [1, -4])
+    assert policy.weights == weights and np.array_equal(policy._ranks[0], ranks)
+    assert policy._layers[0].visits == 1
