@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from coordinator.slot_table import SlotRecord
+
 DEFAULT_TRANSITION_HALF_LIFE = 128  # visits of the layer
 LEARNING_RATE = 0.05
 _PRIOR = 2.0  # pseudo-visits of the layer's selection shares behind every transition row
@@ -31,8 +33,8 @@ _L2 = 1e-4
 # The lazy decay's scale is folded back into the counts past this (the transitions are float32, to
 # halve an E x E matrix per layer: 36 MB for 61 layers of 384 experts; float32 ends at 3.4e38).
 _RESCALE_AT = 1e30
-# Initial weights: a recency-first ranking (just used goes last), so the first visits behave like
-# LRU with a transition hint until the model has seen some routing.
+# Initial weights: a recency-first ranking (the experts just used are kept first), so the first
+# visits behave like LRU with a transition hint until the model has seen some routing.
 _INITIAL_WEIGHTS = (-2.5, 1.0, 0.0, 0.0, 0.5)
 
 
@@ -168,12 +170,12 @@ class NextUse:
         gradient = (features @ chance - features[:, used].sum(axis=1)) / features.shape[1]
         self._weights -= LEARNING_RATE * (gradient + _L2 * self._weights)
 
-    def eviction_key(self, record) -> tuple:
+    def eviction_key(self, record: SlotRecord) -> tuple:
         if record.layer is None or record.expert_id is None:
             return (-math.inf, record.last_use, record.id)
         return (self.rank(record.layer, record.expert_id), record.last_use, record.id)
 
-    def admit(self, layer: int, expert_id: int, victim) -> bool:
+    def admit(self, layer: int, expert_id: int, victim: SlotRecord) -> bool:
         if victim.layer is None or victim.expert_id is None:
             return True  # an idle slot: keeping the miss costs nothing
         return self.rank(layer, expert_id) >= self.rank(victim.layer, victim.expert_id)

@@ -11,7 +11,9 @@ and decode still 7% slower than without prefetch.
 
 So auto also times whole decode steps, in alternating epochs with prefetch and
 without (after a warm-up epoch with it), and keeps prefetch unless steps are
-`KEEP_MARGIN` slower with it; after `recheck_steps` it tries again, as the load
+`KEEP_MARGIN` slower with it; after `early_epochs` a side the trial ends early
+when the sides already differ by `CLEAR_RATIO` either way (a clear win spends no
+more epochs without prefetch). After `recheck_steps` it tries again, as the load
 and what is resident change. Only steps that carried a prediction
 are timed (with nothing predicted both sides are the same). The first step of
 an epoch is not timed: it runs on what the other side left resident. While
@@ -42,6 +44,11 @@ RECHECK_STEPS = 512  # decode steps a verdict holds before the next trial
 # prefetch saves (11% on this host's default benchmark, far more where decode waits for the disk),
 # a wrong keep only what its reads cost (a few percent on a CPU host's many small experts).
 KEEP_MARGIN = 1.02
+# A trial ends early, after `early_epochs` a side, when the sides already differ by this much either
+# way: epochs of 8 steps vary by a few percent here, so a 10% difference is no noise, and every
+# epoch without prefetch that a clear win spends costs the user what prefetch saves.
+CLEAR_RATIO = 1.10
+EARLY_EPOCHS = 2
 
 
 @dataclass(slots=True)
@@ -51,6 +58,7 @@ class StepTrial:
     epoch_steps: int = EPOCH_STEPS
     trial_epochs: int = TRIAL_EPOCHS
     recheck_steps: int = RECHECK_STEPS
+    early_epochs: int = EARLY_EPOCHS  # epochs a side after which a clear difference decides
     state: Literal["trial", "on", "off"] = "trial"
     prefetching: bool = True  # the side of the step in progress (and of the next one, until it starts)
     steps_without: int = 0  # decode steps run without prefetch: a trial's (predicted) and a pause's; drained
@@ -62,10 +70,10 @@ class StepTrial:
     _held: int = 0  # decode steps since the verdict
 
     def __post_init__(self) -> None:
-        if self.epoch_steps < 2 or self.trial_epochs < 1 or self.recheck_steps < 1:
+        if self.epoch_steps < 2 or self.trial_epochs < 1 or self.recheck_steps < 1 or self.early_epochs < 1:
             raise ValueError(
-                f"step trial needs epoch_steps >= 2, trial_epochs >= 1, recheck_steps >= 1; got "
-                f"{self.epoch_steps}, {self.trial_epochs}, {self.recheck_steps}"
+                f"step trial needs epoch_steps >= 2, trial_epochs >= 1, recheck_steps >= 1, early_epochs >= 1; "
+                f"got {self.epoch_steps}, {self.trial_epochs}, {self.recheck_steps}, {self.early_epochs}"
             )
         self._index = self._warmup_index()
 
@@ -99,8 +107,11 @@ class StepTrial:
             self._epoch.clear()
             self._index = 0
             sides = [side for side, _ in self._epochs]
-            if min(sides.count(True), sides.count(False)) >= self.trial_epochs:
+            per_side = min(sides.count(True), sides.count(False))
+            if per_side >= self.trial_epochs:
                 self._verdict()
+            elif recorded and per_side >= self.early_epochs and abs(math.log(self._ratio())) >= math.log(CLEAR_RATIO):
+                self._verdict(early=True)
             elif recorded:
                 self.prefetching = not self.prefetching
             # else: the same side again. Jobs too short to time (one or two steps each) never reach
@@ -126,16 +137,23 @@ class StepTrial:
         elif self._predicted and now is not None and self._index > 0:
             self._epoch.append((now - self._started) * 1e3)
 
-    def _verdict(self) -> None:
+    def _ratios(self) -> list[float]:
         # Each epoch against the one after it (of the other side): a machine that slows down or
         # speeds up over the trial moves both epochs of a pair alike, and the pairs alternate
         # which side came first, so a steady drift nearly cancels in their geometric mean.
-        ratios = [
+        return [
             (a if a_with else b) / (b if a_with else a)
             for (a_with, a), (b_with, b) in itertools.pairwise(self._epochs)
             if a_with != b_with and a > 0 and b > 0
         ]
-        ratio = math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else 1.0
+
+    def _ratio(self) -> float:
+        """Steps with prefetch over steps without: the geometric mean of adjacent epochs' ratios."""
+        ratios = self._ratios()
+        return math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else 1.0
+
+    def _verdict(self, *, early: bool = False) -> None:
+        ratios, ratio = self._ratios(), self._ratio()
         self.prefetching = ratio <= KEEP_MARGIN
         self.state = "on" if self.prefetching else "off"
         self._held = 0
@@ -143,13 +161,14 @@ class StepTrial:
         without_ms = statistics.median(ms for prefetching, ms in self._epochs if not prefetching)
         logger.info(
             "prefetch %s: decode steps took %.1f ms with it and %.1f ms without (medians of epochs of %d steps; "
-            "with / without %.3f over %d adjacent epochs); tried again after %d decode steps",
+            "with / without %.3f over %d adjacent epochs%s); tried again after %d decode steps",
             "kept" if self.prefetching else "paused, decode is faster without it",
             with_ms,
             without_ms,
             self.epoch_steps,
             ratio,
             len(ratios),
+            f"; early, beyond {CLEAR_RATIO:.2f} either way" if early else "",
             self.recheck_steps,
         )
 
@@ -160,4 +179,4 @@ class StepTrial:
         self._index = self._warmup_index()
 
 
-__all__ = ["EPOCH_STEPS", "KEEP_MARGIN", "RECHECK_STEPS", "TRIAL_EPOCHS", "StepTrial"]
+__all__ = ["CLEAR_RATIO", "EARLY_EPOCHS", "EPOCH_STEPS", "KEEP_MARGIN", "RECHECK_STEPS", "TRIAL_EPOCHS", "StepTrial"]

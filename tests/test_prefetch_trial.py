@@ -134,10 +134,37 @@ def test_jobs_of_three_steps_are_timed_enough_to_reach_a_verdict():
     assert trial.state == "on"
 
 
-@pytest.mark.parametrize(("epoch_steps", "trial_epochs", "recheck_steps"), [(1, 1, 1), (4, 0, 1), (4, 1, 0)])
-def test_bad_trial_sizes_are_refused(epoch_steps, trial_epochs, recheck_steps):
+@pytest.mark.parametrize(
+    ("epoch_steps", "trial_epochs", "recheck_steps", "early_epochs"),
+    [(1, 1, 1, 1), (4, 0, 1, 1), (4, 1, 0, 1), (4, 1, 1, 0)],
+)
+def test_bad_trial_sizes_are_refused(epoch_steps, trial_epochs, recheck_steps, early_epochs):
     with pytest.raises(ValueError, match="step trial needs"):
-        StepTrial(epoch_steps=epoch_steps, trial_epochs=trial_epochs, recheck_steps=recheck_steps)
+        StepTrial(
+            epoch_steps=epoch_steps, trial_epochs=trial_epochs, recheck_steps=recheck_steps, early_epochs=early_epochs
+        )
+
+
+@pytest.mark.parametrize(
+    ("with_ms", "without_ms", "state"), [(10.0, 20.0, "on"), (10.0, 11.5, "on"), (25.0, 20.0, "off")]
+)
+def test_a_clear_difference_ends_the_trial_after_two_epochs_a_side(caplog, with_ms, without_ms, state):
+    """Four epochs a side, but 13% or more either way is clear after two: the trial spends 8
+    steps without prefetch, not 16."""
+    caplog.set_level("INFO", logger="coordinator.prefetch_trial")
+    trial = StepTrial(epoch_steps=4, trial_epochs=4, recheck_steps=100)
+    sides, _ = drive(trial, 21, with_ms=with_ms, without_ms=without_ms)
+    assert sides[:20] == ON + ON + OFF + ON + OFF and trial.state == state
+    assert trial.steps_without == 8  # the verdict's step (the 21st) is still running
+    assert "early, beyond 1.10 either way" in caplog.text
+
+
+def test_a_difference_within_the_clear_ratio_takes_the_whole_trial(caplog):
+    caplog.set_level("INFO", logger="coordinator.prefetch_trial")
+    trial = StepTrial(epoch_steps=4, trial_epochs=4, recheck_steps=100)
+    sides, _ = drive(trial, 37, with_ms=10.0, without_ms=10.8)  # 7% faster with it
+    assert sides[:36] == ON + ON + OFF + ON + OFF + ON + OFF + ON + OFF and trial.state == "on"
+    assert trial.steps_without == 16 and "early" not in caplog.text
 
 
 @settings(max_examples=200, deadline=None)
