@@ -1,10 +1,11 @@
 """The `nextuse` replacement policy (coordinator.next_use): what it learns, what it keeps, its edges.
 
 The manager scenarios are where it parts ways with LRU: a routing cycle longer than the layer's
-slots (LRU misses every time; the transitions tell which set comes next), and a one-off miss
-that is served but not kept in place of a pair in steady use. The model's own edges: the lazy
-decay of the transition counts equals a plain decay, expert ids past the first size grow the
-arrays, and bad ids are refused with the policy's state unchanged.
+slots (LRU misses every time; the transitions tell which set comes next), a one-off miss that
+is served but not kept in place of a pair in steady use, and the core promoting a wave's misses
+in the policy's order. The model's own edges: the lazy decay of the transition counts equals a
+plain decay, expert ids past the first size grow the arrays, and bad ids are refused with the
+policy's state unchanged.
 """
 
 from __future__ import annotations
@@ -106,3 +107,21 @@ def test_a_negative_id_is_refused_and_changes_nothing():
         policy.touch(0, [1, -4])
     assert policy.weights == weights and np.array_equal(policy._ranks[0], ranks)
     assert policy._layers[0].visits == 1
+
+
+class FixedRanks(NextUse):
+    """nextuse with each expert's rank fixed to its id: the core's use of the ranks, by hand."""
+
+    def rank(self, layer, expert_id):
+        return float(expert_id)
+
+
+def test_the_core_promotes_a_waves_misses_in_the_policys_order():
+    """Residents 1 and 5; a wave misses 10 and 2 (the core's own order would promote 2 first).
+    Likeliest first, 10 replaces 1 and 2 then loses to 5; in the other order 2 would have taken
+    1's slot and 10 then 5's, keeping the less likely 2 over 5."""
+    manager = make(replacement=FixedRanks(), per_layer=2)
+    visit(manager, 0, [1])
+    visit(manager, 0, [5])
+    assert visit(manager, 0, [10, 2]) == [False, False]
+    assert set(resident(manager)) == {(0, 5), (0, 10)}
