@@ -60,7 +60,6 @@ class _LayerModel:
         self._selections = 0  # the sum of the counts' first row
         self._previous = np.zeros(0, dtype=np.int64)
         self.features = np.zeros((len(_INITIAL_WEIGHTS), experts))
-        self.used = np.zeros(0, dtype=np.int64)
 
     @property
     def experts(self) -> int:
@@ -89,7 +88,7 @@ class _LayerModel:
         if self._previous.size and used.size:
             self._transitions[self._previous[:, None], used] += self._scale
             self._row_totals[self._previous] += self._scale
-        self._previous = self.used = used
+        self._previous = used
         counts = self._counts
         counts *= _COUNT_DECAYS
         counts[:, used] += 1.0
