@@ -170,13 +170,20 @@ def _tight_run(family, quantized, lanes, lease_path, models, caplog, record_prop
 @pytest.mark.parametrize(("family", "quantized", "lanes"), LANES)
 def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quantized, lanes, models, caplog):
     """All but one expert of each layer resident: most decode visits lease through the lease
-    words, the rest take messages, evictions withdraw slots (scribbled and verified there)."""
+    words, the rest take messages, evictions withdraw slots (scribbled and verified there).
+    LRU admits every miss, so the second job (the same prompt, the same routes) still misses;
+    `nextuse` may learn to keep out the one expert that job never uses, and with prefetch paused
+    serve it every visit from the lease words, leaving the message path untested."""
     caplog.set_level(logging.INFO)
     path = models(family, quantized)
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
     with _start(
-        path, budget="all_resident", slots_per_layer=store.experts_per_layer - 1, compute_lanes=lanes
+        path,
+        budget="all_resident",
+        slots_per_layer=store.experts_per_layer - 1,
+        compute_lanes=lanes,
+        replacement="lru",
     ) as system:
         first = run_job(system, max_tokens=GENERATED)
         second = run_job(system, max_tokens=GENERATED)
