@@ -54,18 +54,19 @@ class _LayerModel:
         # Transition counts (row: used at a visit, column: used at the next) and their row sums are
         # stored times `_scale`, which grows instead of every count decaying at every visit.
         self._scale = 1.0
-        self._transitions = np.zeros((experts, experts), dtype=np.float32)
-        self._row_totals = np.zeros(experts)
-        self._counts = np.zeros((len(_COUNT_DECAYS), experts))
-        self._selections = 0  # the sum of the counts' first row
+        self._transitions = np.zeros((0, 0), dtype=np.float32)
+        self._row_totals = np.zeros(0)
+        self._counts = np.zeros((len(_COUNT_DECAYS), 0))
+        self._selections = 0  # the sum of the counts' first row, kept rather than summed every visit
         self._previous = np.zeros(0, dtype=np.int64)
-        self.features = np.zeros((len(_INITIAL_WEIGHTS), experts))
+        self._grow(experts)
 
     @property
     def experts(self) -> int:
         return self._row_totals.size
 
     def _grow(self, experts: int) -> None:
+        """Room for expert ids below `experts`, what was counted kept (features are recomputed)."""
         old = self.experts
         transitions = np.zeros((experts, experts), dtype=np.float32)
         transitions[:old, :old] = self._transitions

@@ -147,13 +147,14 @@ class StepTrial:
             if a_with != b_with and a > 0 and b > 0
         ]
 
-    def _ratio(self) -> float:
+    def _ratio(self, ratios: list[float] | None = None) -> float:
         """Steps with prefetch over steps without: the geometric mean of adjacent epochs' ratios."""
-        ratios = self._ratios()
+        ratios = self._ratios() if ratios is None else ratios
         return math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else 1.0
 
     def _verdict(self, *, early: bool = False) -> None:
-        ratios, ratio = self._ratios(), self._ratio()
+        ratios = self._ratios()
+        ratio = self._ratio(ratios)
         self.prefetching = ratio <= KEEP_MARGIN
         self.state = "on" if self.prefetching else "off"
         self._held = 0
