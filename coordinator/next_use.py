@@ -15,11 +15,18 @@ Features of expert e at a layer, after a visit V (all per layer, online, no hist
   with a prior of the layer's overall selection shares.
 One weight vector serves every layer (a layer's visits teach the others), so it is learned
 from the first tokens on. The rank is the logit; ties go to the least recent.
+
+A layer is dormant until the core first asks for a rank there (its first victim among
+residents): until then its visits are only queued (the last `DORMANT_VISITS`) and folded in at
+that first ask. The model costs 60-100 us a visit; where every expert of a layer has a slot
+(an all-resident system) no rank is ever asked, and on a host whose cores all compute, that
+CPU came out of decode (6 points at 48 layers, issue 13's note).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +35,9 @@ from coordinator.slot_table import SlotRecord
 
 DEFAULT_TRANSITION_HALF_LIFE = 128  # visits of the layer
 LEARNING_RATE = 0.05
+# Visits a dormant layer queues: past this the oldest are dropped (counts of half-life 64 and
+# transitions of 128 have decayed to a quarter and a half; the fold at the first ask is bounded).
+DORMANT_VISITS = 128
 _PRIOR = 2.0  # pseudo-visits of the layer's selection shares behind every transition row
 _L2 = 1e-4
 # The lazy decay's scale is folded back into the counts past this (the transitions are float32, to
@@ -133,7 +143,8 @@ class NextUse:
         self.transition_half_life = transition_half_life
         self._transition_decay = 0.5 ** (1.0 / transition_half_life)
         self._weights = np.array(_INITIAL_WEIGHTS, dtype=np.float64)
-        self._layers: dict[int, _LayerModel] = {}
+        self._layers: dict[int, _LayerModel] = {}  # the awake layers
+        self._dormant: dict[int, deque[np.ndarray]] = {}  # layer -> its visits until its first rank
         self._ranks: dict[int, np.ndarray] = {}  # layer -> logit per expert after its last visit
 
     @property
@@ -141,10 +152,23 @@ class NextUse:
         """The model's weights now (bias, used now, short count, long count, transition)."""
         return tuple(float(w) for w in self._weights)
 
+    def ranks(self, layer: int) -> np.ndarray | None:
+        """The layer's logit per expert after its last visit (None: never visited). A dormant
+        layer's queued visits are folded in first (see the module)."""
+        ranks = self._ranks.get(layer)
+        if ranks is None and layer in self._dormant:
+            queued = self._dormant.pop(layer)
+            largest = max((int(used.max()) for used in queued if used.size), default=0)
+            model = self._layers[layer] = _LayerModel(max(64, largest + 1), self._transition_decay)
+            for used in queued:
+                self._fold(layer, model, used)
+            ranks = self._ranks[layer]
+        return ranks
+
     def rank(self, layer: int, expert_id: int) -> float:
         """The expert's logit after the layer's last visit (-inf: the layer never visited, or an id past
         every id it has seen)."""
-        ranks = self._ranks.get(layer)
+        ranks = self.ranks(layer)
         if ranks is None or not 0 <= expert_id < ranks.size:
             return -math.inf
         return float(ranks[expert_id])
@@ -155,9 +179,12 @@ class NextUse:
             raise ValueError(f"expert ids must be non-negative, got {list(expert_ids)!r}")
         model = self._layers.get(layer)
         if model is None:
-            experts = max(64, int(used.max()) + 1) if used.size else 64
-            model = self._layers[layer] = _LayerModel(experts, self._transition_decay)
-        elif model.visits:
+            self._dormant.setdefault(layer, deque(maxlen=DORMANT_VISITS)).append(used)
+        else:
+            self._fold(layer, model, used)
+
+    def _fold(self, layer: int, model: _LayerModel, used: np.ndarray) -> None:
+        if model.visits:
             self._learn(model, used)  # last visit's features against what this visit used
         model.observe(used)
         self._ranks[layer] = self._weights @ model.features

@@ -59,7 +59,7 @@ class ReplacementPolicy(Protocol):
         ...
 
     def eviction_key(self, record: SlotRecord) -> tuple:
-        """A ready slot's rank: the smallest key is replaced first."""
+        """A ready slot's rank: the smallest key is replaced first (idle slots go first unranked)."""
         ...
 
     def admit(self, layer: int, expert_id: int, victim: SlotRecord) -> bool:

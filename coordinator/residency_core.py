@@ -225,7 +225,8 @@ class ResidencyCore:
         try:
             misses = [entry for entry in reversed(entries) if not entry.hit]
             by_expert = {entry.expert_id: entry for entry in misses}  # one wave: one layer
-            if misses:
+            # The order matters only when some miss must meet a resident: idle slots are taken first.
+            if misses and len(by_expert) > self._table.idle_layer_slots(misses[0].layer):
                 order = self._replacement.promotion_order(misses[0].layer, list(by_expert))
                 misses = [by_expert[expert] for expert in order]
             promoted: set[int] = set()

@@ -96,16 +96,27 @@ class SlotTable:
         pins: Sequence[SlotRecord] = (),
     ) -> SlotRecord | None:
         """The slot a promoted miss of `layer` replaces: idle first, then the smallest `key` among
-        the layer's ready slots and the ready `pins` offered (the replacement policy's rank)."""
+        the layer's ready slots and the ready `pins` offered (the replacement policy's rank).
+
+        An idle slot is chosen without asking `key` (the least recent of them): an empty slot has
+        no rank, and a policy that is never asked need not rank the layer at all (`nextuse`)."""
         candidates = [
             self.slots[i]
             for i in self.layer_slots[layer]
             if i not in protected and self.slots[i].phase in ("idle", "ready")
         ]
+        idle = [record for record in candidates if record.phase == "idle"]
+        if idle:
+            return min(idle, key=least_recent)
         candidates += [record for record in pins if record.id not in protected and record.phase == "ready"]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.phase != "idle", key(r)))
+        return min(candidates, key=key)
+
+    def idle_layer_slots(self, layer: int) -> int:
+        """How many of `layer`'s slots are idle (a wave's misses up to this many need no victim)."""
+        slots = self.slots
+        return sum(1 for i in self.layer_slots[layer] if slots[i].phase == "idle")
 
     def pass_pin(self, pin: SlotRecord, layer: int, key: Callable[[SlotRecord], tuple]) -> SlotRecord | None:
         """Make the ready pinned slot `pin` one of `layer`'s slots and pin the layer's highest-ranked

@@ -77,11 +77,12 @@ def test_the_lazy_transition_decay_equals_decaying_every_count(monkeypatch):
     plain = NextUse(transition_half_life=2)
     for ids in visits:
         plain.touch(0, ids)
+    plain_ranks = plain.ranks(0)  # folded before the patch
     monkeypatch.setattr(next_use, "_RESCALE_AT", 4.0)  # fold the scale back in every few visits
     folded = NextUse(transition_half_life=2)
     for ids in visits:
         folded.touch(0, ids)
-    assert np.allclose(plain._ranks[0], folded._ranks[0], rtol=1e-5, atol=1e-6)  # float32 transitions
+    assert np.allclose(plain_ranks, folded.ranks(0), rtol=1e-5, atol=1e-6)  # float32 transitions
     assert np.allclose(plain.weights, folded.weights, rtol=1e-5)
     assert folded._layers[0]._scale <= 4.0 * 2**0.5
 
@@ -102,11 +103,78 @@ def test_ids_past_the_first_size_grow_the_model_and_keep_what_it_learned():
 def test_a_negative_id_is_refused_and_changes_nothing():
     policy = NextUse()
     policy.touch(0, [1, 2])
-    weights, ranks = policy.weights, policy._ranks[0].copy()
+    with pytest.raises(ValueError, match=r"\[3, -1\]"):
+        policy.touch(0, [3, -1])  # dormant: nothing queued
+    weights, ranks = policy.weights, policy.ranks(0).copy()
     with pytest.raises(ValueError, match=r"\[1, -4\]"):
-        policy.touch(0, [1, -4])
-    assert policy.weights == weights and np.array_equal(policy._ranks[0], ranks)
+        policy.touch(0, [1, -4])  # awake: nothing learned
+    assert policy.weights == weights and np.array_equal(policy.ranks(0), ranks)
     assert policy._layers[0].visits == 1
+
+
+def _visits(seed, count, *, experts=64, k=6):
+    rng = np.random.default_rng(seed)
+    return [sorted(rng.choice(experts, k, replace=False).tolist()) for _ in range(count)]
+
+
+def test_a_dormant_layer_folds_its_queued_visits_at_its_first_rank_as_if_ranked_all_along(monkeypatch):
+    visits = _visits(5, 40)
+    eager = NextUse()
+    for ids in visits:
+        eager.touch(0, ids)
+        eager.rank(0, 0)  # awake from the first visit
+    folds = []
+    monkeypatch.setattr(next_use._LayerModel, "observe", _counting(next_use._LayerModel.observe, folds))
+    lazy = NextUse()
+    for ids in visits:
+        lazy.touch(0, ids)
+    assert folds == []  # dormant: the visits were only queued
+    assert np.array_equal(lazy.ranks(0), eager.ranks(0)) and lazy.weights == eager.weights
+    assert len(folds) == len(visits)
+
+
+def test_a_dormant_layer_keeps_only_its_latest_visits():
+    visits = _visits(6, next_use.DORMANT_VISITS + 30)
+    everything, latest = NextUse(), NextUse()
+    for ids in visits:
+        everything.touch(2, ids)
+    for ids in visits[-next_use.DORMANT_VISITS :]:
+        latest.touch(2, ids)
+    assert np.array_equal(everything.ranks(2), latest.ranks(2)) and everything.weights == latest.weights
+    assert everything._layers[2].visits == next_use.DORMANT_VISITS
+
+
+def _counting(method, calls):
+    def counted(self, *args):
+        calls.append(args)
+        return method(self, *args)
+
+    return counted
+
+
+class CountingRanks(NextUse):
+    """nextuse that records every layer it is asked to rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def ranks(self, layer):
+        self.asked.append(layer)
+        return super().ranks(layer)
+
+
+def test_a_layer_whose_slots_hold_every_expert_it_uses_is_never_ranked():
+    """An all-resident layer never needs a victim, so the model never runs there (its CPU would
+    come out of compute); the first miss that must meet a resident wakes it."""
+    policy = CountingRanks()
+    manager = make(replacement=policy, working=4, per_layer=8)
+    for ids in _visits(7, 60, experts=8, k=3):
+        visit(manager, 0, ids)
+    assert policy.asked == [] and policy._layers == {}
+    assert visit(manager, 0, [8, 9]) == [False, False]
+    assert policy.asked and set(policy._layers) == {0}
+    assert len(resident(manager)) == 8
 
 
 class FixedRanks(NextUse):
