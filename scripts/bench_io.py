@@ -19,6 +19,11 @@ The workers' staging (native/staging.py: direct reads through huge-page
 buffers, one device request per read where the slab's 4 KiB pages would split
 it) follows `--staging`, `auto` by default; the summary says whether it ran and
 what it copied, so a run with `--staging off` shows what it is worth.
+
+CPU a load: the workers' processes (all threads, from /proc) and this process (the
+coordinator's side of the protocol) over the measured loads, and fio's jobs (their own
+usr + sys, start-up excluded). On a host whose cores all compute, this is what each read
+takes from decode.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from coordinator.io_pool import IOWorkerPool
 from coordinator.residency_types import summarize_expert_latencies
@@ -151,6 +157,8 @@ async def bench_workers(
                     finished.put_nowait((slot, generation, error))
 
             free, tasks, generation, submitted, total = list(range(slots)), set(), 0, 0, 0
+            children = [psutil.Process(process.pid) for process in pool.processes]
+            workers_cpu, own_cpu = _cpu_seconds(children), time.process_time()
             started = time.perf_counter()
             for _ in range(len(loads)):
                 while free and submitted < len(loads):
@@ -171,6 +179,7 @@ async def bench_workers(
                 backend.discard(slot, gen)
                 free.append(slot)
             elapsed = time.perf_counter() - started
+            workers_cpu, own_cpu = _cpu_seconds(children) - workers_cpu, time.process_time() - own_cpu
             telemetry = await backend.request_telemetry(timeout=5.0)
             if len(telemetry) != workers:
                 raise RuntimeError(f"telemetry from {len(telemetry)} of {workers} workers")
@@ -193,8 +202,15 @@ async def bench_workers(
         latency_p99_ms=lat.p99_ms,
         io_modes=modes,
         slots=slots,
+        cpu_ms_per_load=workers_cpu * 1e3 / len(loads),
+        backend_cpu_ms_per_load=own_cpu * 1e3 / len(loads),
         **staged,
     )
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU of `processes` (all their threads) so far."""
+    return sum(sum(process.cpu_times()[:2]) for process in processes)
 
 
 def bench_python(manifest: list[str], loads: list[tuple[ExpertIOSegment, ...]], threads: int) -> dict:
@@ -267,12 +283,16 @@ def bench_fio(
     if result.returncode != 0:
         print(f"fio failed ({result.returncode}): {result.stderr.strip()}", file=sys.stderr)
         return None
-    read = json.loads(result.stdout[result.stdout.index("{") :])["jobs"][0]["read"]
+    job = json.loads(result.stdout[result.stdout.index("{") :])["jobs"][0]
+    read = job["read"]
+    # The jobs' own CPU (percent of their summed run time), not fio's start-up (about 0.2 s here)
+    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1e3
     percentiles = read.get("clat_ns", {}).get("percentile", {})
     return dict(
         MBps=read["bw_bytes"] / MB,
         p50_ms=percentiles.get("50.000000", 0) / 1e6,
         p99_ms=percentiles.get("99.000000", 0) / 1e6,
+        cpu_ms_per_load=cpu_s * 1e3 / max(1, read["total_ios"]),
         command=" ".join(command),
     )
 
@@ -386,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         f"  workers : {workers['MBps']:8.1f} MB/s  service p50 {workers['p50_ms']:.2f} ms  p99 "
         f"{workers['p99_ms']:.2f} ms  (submit-to-done p50 {workers['latency_p50_ms']:.2f} ms)"
     )
+    print(
+        f"  CPU     : workers {workers['cpu_ms_per_load']:.3f} ms a load, this process (the backend) "
+        f"{workers['backend_cpu_ms_per_load']:.3f}" + (f", fio {fio['cpu_ms_per_load']:.3f} a read" if fio else "")
+    )
     if python:
         print(
             f"  python  : {python['MBps']:8.1f} MB/s  p50 {python['p50_ms']:.2f} ms  p99 {python['p99_ms']:.2f} ms"
@@ -413,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             fio_p50_ms=fio["p50_ms"] if fio else None,
             fio_p99_ms=fio["p99_ms"] if fio else None,
             ratio_to_fio=workers["MBps"] / fio["MBps"] if fio else None,
+            cpu_ms_per_load=workers["cpu_ms_per_load"],
+            backend_cpu_ms_per_load=workers["backend_cpu_ms_per_load"],
+            fio_cpu_ms_per_load=fio["cpu_ms_per_load"] if fio else None,
             block_size=fio_block,
             bytes=workers["bytes"],
             count=len(loads),

@@ -48,6 +48,9 @@ def test_bench_io_smoke(tmp_path, extra):
     assert summary["fio_MBps"] is None or summary["fio_MBps"] > 0
     assert summary["bytes"] == 16 * 64 * 1024
     assert 0 < summary["p50_ms"] <= summary["p99_ms"]
+    # CPU a load: the workers' from /proc (clock ticks: 0 is possible for 16 small loads), ours exact
+    assert summary["cpu_ms_per_load"] >= 0 and summary["backend_cpu_ms_per_load"] > 0
+    assert summary["fio_cpu_ms_per_load"] is None or summary["fio_cpu_ms_per_load"] >= 0
     if "--staging" in extra:  # forced on: every direct read of the workers went through it
         assert summary["staging"] is True and summary["staging_reason"] == "staging on by request"
         if summary["io_modes"] == ["direct"]:  # staging serves O_DIRECT reads only
