@@ -42,6 +42,7 @@ class System:
         lease_path: str = "shared",
         max_sequences: int | None = None,
         copy_ahead: str = "on",
+        prefetch_margin: int | None = None,
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
@@ -61,7 +62,9 @@ class System:
             prefetch=prefetch,
             io_staging=io_staging,
             lease_path=lease_path,
-            run_config={"copy_ahead": copy_ahead} | ({} if max_sequences is None else {"max_sequences": max_sequences}),
+            run_config={"copy_ahead": copy_ahead}
+            | ({} if max_sequences is None else {"max_sequences": max_sequences})
+            | ({} if prefetch_margin is None else {"prefetch_margin": prefetch_margin}),
         )
         self.prefetch = prefetch
         self.startup_s = time.perf_counter() - started

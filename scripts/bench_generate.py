@@ -112,6 +112,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--prefetch", choices=("auto", "on", "off"), default="auto", help="the systems' next-layer prefetch"
     )
     run.add_argument(
+        "--prefetch-margin",
+        type=int,
+        default=None,
+        help="experts predicted per layer beyond top-k (default: the system's, a quarter of top-k)",
+    )
+    run.add_argument(
         "--io-staging", choices=("auto", "on", "off"), default="auto", help="the I/O workers' huge-page staging"
     )
     run.add_argument(
@@ -215,6 +221,7 @@ class Bench:
             lease_path=self.args.lease_path,
             max_sequences=self.args.max_sequences,
             copy_ahead=self.args.copy_ahead,
+            prefetch_margin=self.args.prefetch_margin,
         )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the

@@ -31,7 +31,7 @@ from shared.process_table import role_key
 from shared.store import ExpertStore
 from shared.usage_profile import default_usage_file
 from supervisor.budget import auto_pins
-from supervisor.options import SupervisorOptions, job_limits, parse_args
+from supervisor.options import SupervisorOptions, job_limits, parse_args, prediction_fields
 from supervisor.readiness import LaunchCancelled
 from supervisor.refusals import REFUSALS, StartupLogHandler, check_endpoint_free, refuse, release_startup_lines
 from supervisor.rundir import claim_run_dir, clean_stale_runs
@@ -164,7 +164,7 @@ def run_supervisor(options: SupervisorOptions) -> int:
                 replacement=options.replacement,
                 lease_path=options.lease_path,
                 # The launcher's own memory is in the budget (coordinator/footprint.py).
-                run_config={**job_limits(options), "copy_ahead": options.copy_ahead, "supervisor_pid": os.getpid()},
+                run_config={**job_limits(options), **prediction_fields(options), "supervisor_pid": os.getpid()},
                 curve=options.curve,
                 curve_keys=options.curve_keys,
                 http=options.http,

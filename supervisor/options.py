@@ -54,6 +54,7 @@ class SupervisorOptions:
     restart: RestartPolicy = RestartPolicy()
     compute_lanes: int | None = None  # None: the GPU worker's auto choice
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
+    prefetch_margin: int | None = None  # experts predicted beyond top-k (None: RunConfig's, a quarter of top-k)
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
     lease_path: str = "shared"  # shared.config.LEASE_PATHS
     copy_ahead: str = "on"  # shared.config.COPY_AHEAD_MODES
@@ -74,6 +75,14 @@ def job_limits(options: SupervisorOptions) -> dict[str, int]:
     """The front door's limits the flags set, as `RunConfig` fields (an unset one keeps its default)."""
     names = ("max_prompt_tokens", "max_tokens", "max_queued_per_client", "max_sequences")
     return {name: getattr(options, name) for name in names if getattr(options, name) is not None}
+
+
+def prediction_fields(options: SupervisorOptions) -> dict[str, object]:
+    """The flags for the next layer's experts (copy ahead, prefetch margin) as `RunConfig` fields."""
+    fields: dict[str, object] = {"copy_ahead": options.copy_ahead}
+    if options.prefetch_margin is not None:
+        fields["prefetch_margin"] = options.prefetch_margin
+    return fields
 
 
 def _size(text: str) -> int:
@@ -176,6 +185,14 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         default="auto",
         help="load the experts the next layer's router predicts while a layer computes "
         "(auto: a layer whose prefetches are not used stops)",
+    )
+    add(
+        "--prefetch-margin",
+        type=_count(0),
+        default=None,
+        metavar="M",
+        help="experts predicted per layer beyond top-k (default: a quarter of top-k); each one the "
+        "layer does not pick is a wasted read, each one it picks a miss hidden",
     )
     add(
         "--copy-ahead",
@@ -301,6 +318,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         restart=RestartPolicy(max_restarts=ns.max_restarts, window_s=ns.restart_window),
         compute_lanes=ns.compute_lanes,
         prefetch=ns.prefetch,
+        prefetch_margin=ns.prefetch_margin,
         replacement=ns.replacement,
         lease_path=ns.lease_path,
         copy_ahead=ns.copy_ahead,

@@ -142,6 +142,17 @@ def test_the_launch_flags_become_run_config_fields():
             parse_args([*base, flag, "0"])
 
 
+def test_the_prediction_flags_become_run_config_fields():
+    from supervisor.options import parse_args, prediction_fields
+
+    base = ["--model", "/m", "--memory-budget", "1GiB"]
+    assert prediction_fields(parse_args(base)) == {"copy_ahead": "on"}  # RunConfig's margin applies
+    flags = ["--prefetch-margin", "0", "--copy-ahead", "off"]
+    assert prediction_fields(parse_args([*base, *flags])) == {"copy_ahead": "off", "prefetch_margin": 0}
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--prefetch-margin", "-1"])
+
+
 def test_limits_resolve_from_the_flags_the_context_and_a_default():
     from coordinator.job_limits import DEFAULT_CONTEXT_TOKENS, FrontDoorLimits, validate
     from shared.job_messages import Generate
