@@ -33,8 +33,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +43,7 @@ import psutil
 
 from coordinator.io_pool import IOWorkerPool
 from coordinator.residency_types import summarize_expert_latencies
+from instruments.fio import bench_fio, round_up
 from native import DEFAULT_BLOCK_SIZE, advise_dontneed
 from shared.segments import ExpertIOSegment
 from shared.slab import SLOT_ALIGNMENT, Slab
@@ -59,10 +58,6 @@ def parse_size(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def make_file(path: Path, size: int) -> None:
@@ -242,61 +237,6 @@ def bench_python(manifest: list[str], loads: list[tuple[ExpertIOSegment, ...]], 
     return dict(MBps=total / elapsed / MB, p50_ms=summary.p50_ms, p99_ms=summary.p99_ms, threads=threads)
 
 
-def bench_fio(
-    path: str,
-    block: int,
-    total_bytes: int,
-    *,
-    workers: int,
-    queue_depth: int,
-    engine: str,
-    align: int,
-    region: tuple[int, int] | None = None,
-) -> dict | None:
-    fio = shutil.which("fio")
-    if fio is None:
-        return None
-    start, end = region or (0, os.path.getsize(path))
-    size = (end - start) // block * block
-    per_job = max(block, round_up(total_bytes // workers, block))
-    command = [
-        fio,
-        "--name=bench_io",
-        f"--filename={path}",
-        "--readonly",
-        "--direct=1",
-        "--rw=randread",
-        f"--bs={block}",
-        f"--ioengine={engine}",
-        f"--iodepth={queue_depth}",
-        f"--numjobs={workers}",
-        f"--offset={start}",
-        f"--size={size}",
-        f"--io_size={per_job}",
-        f"--blockalign={align}",
-        "--group_reporting",
-        "--randrepeat=0",
-        "--norandommap",
-        "--output-format=json",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        print(f"fio failed ({result.returncode}): {result.stderr.strip()}", file=sys.stderr)
-        return None
-    job = json.loads(result.stdout[result.stdout.index("{") :])["jobs"][0]
-    read = job["read"]
-    # The jobs' own CPU (percent of their summed run time), not fio's start-up (about 0.2 s here)
-    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1e3
-    percentiles = read.get("clat_ns", {}).get("percentile", {})
-    return dict(
-        MBps=read["bw_bytes"] / MB,
-        p50_ms=percentiles.get("50.000000", 0) / 1e6,
-        p99_ms=percentiles.get("99.000000", 0) / 1e6,
-        cpu_ms_per_load=cpu_s * 1e3 / max(1, read["total_ios"]),
-        command=" ".join(command),
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--file", help="raw file to read (created if missing)")
@@ -388,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 region=fio_region,
             )
     workers, python, fio = results["workers"], results["python"], results["fio"]
+    segments = sum(len(load) for load in loads) / len(loads)  # an expert's tensors: one read each unless adjacent
     assert workers is not None
 
     print(
@@ -407,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{workers['p99_ms']:.2f} ms  (submit-to-done p50 {workers['latency_p50_ms']:.2f} ms)"
     )
     print(
-        f"  CPU     : workers {workers['cpu_ms_per_load']:.3f} ms a load, this process (the backend) "
-        f"{workers['backend_cpu_ms_per_load']:.3f}" + (f", fio {fio['cpu_ms_per_load']:.3f} a read" if fio else "")
+        f"  CPU     : workers {workers['cpu_ms_per_load']:.3f} ms a load ({segments:.1f} reads), this process "
+        f"(the backend) {workers['backend_cpu_ms_per_load']:.3f}"
+        + (f", fio {fio['cpu_ms_per_load']:.3f} a read" if fio else "")
     )
     if python:
         print(
@@ -439,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio_to_fio=workers["MBps"] / fio["MBps"] if fio else None,
             cpu_ms_per_load=workers["cpu_ms_per_load"],
             backend_cpu_ms_per_load=workers["backend_cpu_ms_per_load"],
+            segments_per_load=segments,
             fio_cpu_ms_per_load=fio["cpu_ms_per_load"] if fio else None,
             block_size=fio_block,
             bytes=workers["bytes"],
