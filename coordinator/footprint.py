@@ -21,17 +21,39 @@ slab's usable slots to what the budget leaves after the baseline and the KV
 reserve (`shared.plan.plan_after_baseline`). Growth after that (KV cache, MLX
 buffers, Python heap) is what the KV reserve is for; pressure correction
 (coordinator.safepoint) acts on this figure when it is exceeded anyway.
+
+How often each process is read in full: PSS comes from a walk of the process's page tables
+(`/proc/PID/smaps_rollup`: 37 ms of kernel time for a GPU worker of 3.3 GB here, under its
+memory-map lock), which at every 500 ms sample cost a tenth of a core that decode computes on.
+So a process is read in full at most every `full_interval_s`, or sooner when its anonymous
+resident bytes (`/proc/PID/statm`, a constant-time read) moved by more than `drift_bytes`
+since its last full read; in between, its own share is that reading plus the move. The move
+is exact for private anonymous memory (the heap, MLX's buffers, the KV cache: what grows); a
+change in file pages waits for the next full read. Off Linux every sample is a full read.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import psutil
 
 from shared.slab import Slab
-from shared.system_memory import ProcessMemory, descendant_pids, process_memory
+from shared.system_memory import ProcessMemory, descendant_pids, private_resident_bytes, process_memory
+
+DEFAULT_FULL_INTERVAL_S = 5.0
+DEFAULT_DRIFT_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class _Anchor:
+    """A process's last full reading: its own bytes, its anonymous resident bytes then, and when."""
+
+    own: int
+    private: int
+    at: float
 
 
 class FootprintMeter:
@@ -45,10 +67,16 @@ class FootprintMeter:
         interval_s: float,
         offset: int = 0,
         read: Callable[[int], ProcessMemory] = process_memory,
+        probe: Callable[[int], int | None] = private_resident_bytes,
         below: Callable[..., Iterable[int]] = descendant_pids,
         clock: Callable[[], float] = time.monotonic,
+        full_interval_s: float = DEFAULT_FULL_INTERVAL_S,
+        drift_bytes: int = DEFAULT_DRIFT_BYTES,
     ) -> None:
         self._slab, self._pids, self._read, self._below, self._clock = slab, pids, read, below, clock
+        self._probe, self._full_interval, self._drift = probe, full_interval_s, drift_bytes
+        self._anchors: dict[int, _Anchor] = {}  # pid -> its last full reading
+        self.full_reads = 0
         self._interval = interval_s
         self._offset = offset
         self._now: dict[str, tuple[int, int]] = {}  # role -> (pid, own bytes at the last sample)
@@ -58,17 +86,19 @@ class FootprintMeter:
         self.run_peak = 0
         self.baseline = 0  # the processes' bytes when the slab was sized (mark_baseline)
 
-    def sample(self, *, force: bool = False) -> bool:
-        """Measure every process now, unless the last sample is more recent than the interval."""
+    def sample(self, *, force: bool = False, full: bool = False) -> bool:
+        """Measure every process now, unless the last sample is more recent than the interval
+        (`force`: regardless). `full`: read every process in full (see the module)."""
         now = self._clock()
         if not force and self._last is not None and now - self._last < self._interval:
             return False
         self._last = now
         current: dict[str, tuple[int, int]] = {}
         roles = self._pids()
+        seen: set[int] = set()
         for role, pid in roles.items():
             try:
-                own = self._read(pid).own
+                own = self._own(pid, now, full, seen)
             except (psutil.Error, OSError):  # exiting (it leaves the listing soon): its last reading stands
                 if role in self._now and self._now[role][0] == pid:
                     current[role] = self._now[role]
@@ -77,15 +107,35 @@ class FootprintMeter:
             # supervisor's children) counts in its own right.
             for child in self._below(pid, skip=roles.values()):
                 try:
-                    own += self._read(child).own
+                    own += self._own(child, now, full, seen)
                 except (psutil.Error, OSError):
                     continue
             current[role] = (pid, own)
         self._now = current
+        self._anchors = {pid: anchor for pid, anchor in self._anchors.items() if pid in seen}
         self.samples += 1
         footprint = self.footprint()
         self.job_peak, self.run_peak = max(self.job_peak, footprint), max(self.run_peak, footprint)
         return True
+
+    def _own(self, pid: int, now: float, full: bool, seen: set[int]) -> int:
+        """`pid`'s own bytes: its last full reading plus its anonymous move since, or a full read."""
+        seen.add(pid)
+        private = self._probe(pid)
+        anchor = self._anchors.get(pid)
+        if (
+            not full
+            and private is not None
+            and anchor is not None
+            and now - anchor.at < self._full_interval
+            and abs(private - anchor.private) <= self._drift
+        ):
+            return max(0, anchor.own + private - anchor.private)
+        own = self._read(pid).own
+        self.full_reads += 1
+        if private is not None:
+            self._anchors[pid] = _Anchor(own, private, now)
+        return own
 
     def readings(self) -> dict[str, tuple[int, int]]:
         """Role -> (pid, own bytes) at the last sample."""
@@ -106,8 +156,9 @@ class FootprintMeter:
         return self.processes_bytes() + self.slab_bytes() + self._offset
 
     def mark_baseline(self) -> int:
-        """Sample now and keep the processes' bytes as the baseline the slab is sized after."""
-        self.sample(force=True)
+        """Sample now (every process read in full) and keep the processes' bytes as the baseline
+        the slab is sized after."""
+        self.sample(force=True, full=True)
         self.baseline = self.processes_bytes()  # the test offset stands for growth, not for the baseline
         return self.baseline
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import psutil
 
 PSS_SOURCE = "smaps_rollup" if sys.platform.startswith("linux") else "uss"
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,23 @@ def process_memory(pid: int) -> ProcessMemory:
         raise psutil.NoSuchProcess(pid)
     # Swapped-out private pages still belong to the process: swapping must not hide pressure.
     return ProcessMemory(pss=fields[b"Pss"] + fields.get(b"SwapPss", 0), shmem=fields.get(b"Pss_Shmem", 0))
+
+
+def private_resident_bytes(pid: int) -> int | None:
+    """`pid`'s resident pages that are neither file-backed nor shared memory (anonymous), from
+    `/proc/PID/statm`: a constant-time read, against `process_memory`'s walk of every mapped
+    page (37 ms of kernel time for a GPU worker of 3.3 GB here). None off Linux, or when `pid`
+    is gone. What it moves by is what the process's own share moved by, save file pages."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as statm:
+            fields = statm.read().split()
+    except OSError:
+        return None
+    if len(fields) < 3:
+        return None
+    return (int(fields[1]) - int(fields[2])) * _PAGE_BYTES  # resident - shared (file + shmem)
 
 
 def child_pids(pid: int) -> list[int]:
@@ -115,6 +133,7 @@ __all__ = [
     "ProcessMemory",
     "child_pids",
     "descendant_pids",
+    "private_resident_bytes",
     "process_memory",
     "processes_memory",
     "system_footprint",
