@@ -25,11 +25,12 @@ buffers, Python heap) is what the KV reserve is for; pressure correction
 How often each process is read in full: PSS comes from a walk of the process's page tables
 (`/proc/PID/smaps_rollup`: 37 ms of kernel time for a GPU worker of 3.3 GB here, under its
 memory-map lock), which at every 500 ms sample cost a tenth of a core that decode computes on.
-So a process is read in full at most every `full_interval_s`, or sooner when its anonymous
-resident bytes (`/proc/PID/statm`, a constant-time read) moved by more than `drift_bytes`
-since its last full read; in between, its own share is that reading plus the move. The move
-is exact for private anonymous memory (the heap, MLX's buffers, the KV cache: what grows); a
-change in file pages waits for the next full read. Off Linux every sample is a full read.
+So a process is read in full once every `full_interval_s` (and at the baseline); at the
+samples in between, its own share is its last full reading plus the move of its anonymous
+memory since (`/proc/PID/status`: RssAnon + VmSwap, counters the kernel keeps). The move is
+exact for private anonymous memory, swapped or not (the heap, MLX's buffers, the KV cache:
+what grows, and what the copy path churns by 100+ MiB between two samples); only a change in
+file pages waits for the next full read. Off Linux every sample is a full read.
 """
 
 from __future__ import annotations
@@ -41,15 +42,14 @@ from dataclasses import dataclass
 import psutil
 
 from shared.slab import Slab
-from shared.system_memory import ProcessMemory, descendant_pids, private_resident_bytes, process_memory
+from shared.system_memory import ProcessMemory, descendant_pids, private_bytes, process_memory
 
 DEFAULT_FULL_INTERVAL_S = 5.0
-DEFAULT_DRIFT_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
 class _Anchor:
-    """A process's last full reading: its own bytes, its anonymous resident bytes then, and when."""
+    """A process's last full reading: its own bytes, its anonymous bytes then, and when."""
 
     own: int
     private: int
@@ -67,14 +67,13 @@ class FootprintMeter:
         interval_s: float,
         offset: int = 0,
         read: Callable[[int], ProcessMemory] = process_memory,
-        probe: Callable[[int], int | None] = private_resident_bytes,
+        probe: Callable[[int], int | None] = private_bytes,
         below: Callable[..., Iterable[int]] = descendant_pids,
         clock: Callable[[], float] = time.monotonic,
         full_interval_s: float = DEFAULT_FULL_INTERVAL_S,
-        drift_bytes: int = DEFAULT_DRIFT_BYTES,
     ) -> None:
         self._slab, self._pids, self._read, self._below, self._clock = slab, pids, read, below, clock
-        self._probe, self._full_interval, self._drift = probe, full_interval_s, drift_bytes
+        self._probe, self._full_interval = probe, full_interval_s
         self._anchors: dict[int, _Anchor] = {}  # pid -> its last full reading
         self.full_reads = 0
         self._interval = interval_s
@@ -123,13 +122,7 @@ class FootprintMeter:
         seen.add(pid)
         private = self._probe(pid)
         anchor = self._anchors.get(pid)
-        if (
-            not full
-            and private is not None
-            and anchor is not None
-            and now - anchor.at < self._full_interval
-            and abs(private - anchor.private) <= self._drift
-        ):
+        if not full and private is not None and anchor is not None and now - anchor.at < self._full_interval:
             return max(0, anchor.own + private - anchor.private)
         own = self._read(pid).own
         self.full_reads += 1

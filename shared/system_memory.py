@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import psutil
 
 PSS_SOURCE = "smaps_rollup" if sys.platform.startswith("linux") else "uss"
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,21 +62,23 @@ def process_memory(pid: int) -> ProcessMemory:
     return ProcessMemory(pss=fields[b"Pss"] + fields.get(b"SwapPss", 0), shmem=fields.get(b"Pss_Shmem", 0))
 
 
-def private_resident_bytes(pid: int) -> int | None:
-    """`pid`'s resident pages that are neither file-backed nor shared memory (anonymous), from
-    `/proc/PID/statm`: a constant-time read, against `process_memory`'s walk of every mapped
-    page (37 ms of kernel time for a GPU worker of 3.3 GB here). None off Linux, or when `pid`
-    is gone. What it moves by is what the process's own share moved by, save file pages."""
+def private_bytes(pid: int) -> int | None:
+    """`pid`'s anonymous memory, resident or swapped (`RssAnon` + `VmSwap` of /proc/PID/status,
+    counters the kernel keeps: a constant-time read, against `process_memory`'s walk of every
+    mapped page, 37 ms of kernel time for a GPU worker of 3.3 GB here). None off Linux, or when
+    `pid` is gone. The heap, MLX's buffers and the KV cache are anonymous: what this moves by is
+    what the process's own share moves by, save its file pages."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        with open(f"/proc/{pid}/statm", "rb") as statm:
-            fields = statm.read().split()
+        with open(f"/proc/{pid}/status", "rb") as status:
+            text = status.read()
     except OSError:
         return None
-    if len(fields) < 3:
+    fields = dict(line.split(b":", 1) for line in text.splitlines() if line.startswith((b"RssAnon:", b"VmSwap:")))
+    if b"RssAnon" not in fields:  # a kernel thread, or a zombie
         return None
-    return (int(fields[1]) - int(fields[2])) * _PAGE_BYTES  # resident - shared (file + shmem)
+    return sum(int(value.split()[0]) * 1024 for value in fields.values())  # kB
 
 
 def child_pids(pid: int) -> list[int]:
@@ -133,7 +134,7 @@ __all__ = [
     "ProcessMemory",
     "child_pids",
     "descendant_pids",
-    "private_resident_bytes",
+    "private_bytes",
     "process_memory",
     "processes_memory",
     "system_footprint",

@@ -38,7 +38,7 @@ from shared.plan import plan_after_baseline, plan_expert_residency
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 from shared.slab import Slab
 from shared.store import ExpertStore
-from shared.system_memory import ProcessMemory, child_pids, descendant_pids, private_resident_bytes, process_memory
+from shared.system_memory import ProcessMemory, child_pids, descendant_pids, private_bytes, process_memory
 from supervisor.readiness import LaunchError
 from tests.helpers.models import write_tiny_model
 from tests.helpers.system import PROMPT, run_job, start_test_system, with_processes
@@ -110,9 +110,9 @@ def test_the_footprint_is_every_process_without_its_slab_share_plus_the_slab_onc
         assert "coordinator 60000" in meter.describe() and f"slab resident {SLOT}" in meter.describe()
 
 
-def test_a_process_is_read_in_full_when_stale_or_moved_and_between_follows_its_anonymous_bytes():
+def test_a_process_is_read_in_full_every_interval_and_between_follows_its_anonymous_bytes():
     """A full read walks the process's page tables (37 ms for a 3.3 GB GPU worker here): between
-    two, the process's own share is its last full reading plus its anonymous move (statm)."""
+    two, the process's own share is its last full reading plus its anonymous move."""
     with Slab.create(total_slots=1, slot_bytes=SLOT) as slab:
         memory, private, clock, reads = {11: ProcessMemory(pss=100_000, shmem=0)}, {11: 5_000}, _Clock(), []
 
@@ -129,44 +129,42 @@ def test_a_process_is_read_in_full_when_stale_or_moved_and_between_follows_its_a
             below=lambda pid, skip: [],
             clock=clock,
             full_interval_s=5.0,
-            drift_bytes=1_000,
         )
         assert meter.mark_baseline() == 100_000 and reads == [11]
         private[11], memory[11] = 5_600, ProcessMemory(pss=100_650, shmem=0)  # 600 anonymous, 50 file bytes more
         clock.now = 0.2
         assert meter.sample() and meter.parts() == {"gpu_worker": 100_600} and reads == [11]  # no walk
-        private[11] = 4_600  # it gave back 1_000 (not past the drift): followed down
+        private[11] = 4_600 + 200_000_000  # a copy path's churn: followed, up and down, without a walk
         clock.now = 0.4
-        assert meter.sample(force=True) and meter.parts() == {"gpu_worker": 99_600} and len(reads) == 1
-        private[11] = 6_100  # 1_100 past the last full read: read in full again
-        clock.now = 0.6
+        assert meter.sample(force=True) and meter.parts() == {"gpu_worker": 200_099_600} and len(reads) == 1
+        private[11] = 4_600
+        clock.now = 4.9  # 4.9 s since the full read: an estimate still
+        assert meter.sample() and meter.parts() == {"gpu_worker": 99_600} and len(reads) == 1
+        clock.now = 5.1  # stale: read in full, and the file bytes show
         assert meter.sample() and meter.parts() == {"gpu_worker": 100_650} and reads == [11, 11]
-        clock.now = 5.5  # within the drift, but 4.9 s since that full read: an estimate still
-        assert meter.sample() and len(reads) == 2
-        clock.now = 5.7  # 5.1 s: stale, read in full
-        assert meter.sample() and len(reads) == 3 and meter.full_reads == 3
-        assert meter.sample(force=True, full=True) and len(reads) == 4
+        assert meter.full_reads == 2 and meter.footprint() == 100_650
+        assert meter.sample(force=True, full=True) and len(reads) == 3
         private.clear()  # no probe (off Linux, or gone): every sample reads in full
-        clock.now = 6.0
-        assert meter.sample() and len(reads) == 5
+        clock.now = 5.3
+        assert meter.sample() and len(reads) == 4
 
 
 def test_a_real_processs_anonymous_bytes_move_with_its_heap_and_not_with_the_slab():
     if not sys.platform.startswith("linux"):
-        assert private_resident_bytes(os.getpid()) is None
+        assert private_bytes(os.getpid()) is None
         return
     with Slab.create(total_slots=64, slot_bytes=SLOT) as slab:
-        before = private_resident_bytes(os.getpid())
+        before = private_bytes(os.getpid())
         for slot in range(64):
             view = slab.slot_view(slot)
             view[:] = b"\3" * SLOT
             view.release()
         heap = bytearray(b"\1" * (64 * 2**20))  # written: resident
-        after = private_resident_bytes(os.getpid())
+        after = private_bytes(os.getpid())
         assert before is not None and after is not None
         assert 60 * 2**20 <= after - before < 64 * 2**20 + 64 * SLOT // 2, after - before  # the heap, not the slab
         del heap
-    assert private_resident_bytes(2**22 + 12345) is None
+    assert private_bytes(2**22 + 12345) is None
 
 
 def test_the_processes_a_process_started_are_found_down_to_its_grandchildren():
