@@ -149,24 +149,6 @@ def test_a_process_is_read_in_full_every_interval_and_between_follows_its_anonym
         assert meter.sample() and len(reads) == 4
 
 
-def test_a_real_processs_anonymous_bytes_move_with_its_heap_and_not_with_the_slab():
-    if not sys.platform.startswith("linux"):
-        assert private_bytes(os.getpid()) is None
-        return
-    with Slab.create(total_slots=64, slot_bytes=SLOT) as slab:
-        before = private_bytes(os.getpid())
-        for slot in range(64):
-            view = slab.slot_view(slot)
-            view[:] = b"\3" * SLOT
-            view.release()
-        heap = bytearray(b"\1" * (64 * 2**20))  # written: resident
-        after = private_bytes(os.getpid())
-        assert before is not None and after is not None
-        assert 60 * 2**20 <= after - before < 64 * 2**20 + 64 * SLOT // 2, after - before  # the heap, not the slab
-        del heap
-    assert private_bytes(2**22 + 12345) is None
-
-
 def test_the_processes_a_process_started_are_found_down_to_its_grandchildren():
     shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
     try:
@@ -186,18 +168,31 @@ def test_the_processes_a_process_started_are_found_down_to_its_grandchildren():
 
 
 def test_a_real_process_is_measured_without_the_slab_pages_it_touches():
+    """Its PSS less its slab share (the full read), and its anonymous bytes (the probe between two
+    full reads): neither moves with the slab's pages; the probe moves with the heap."""
+    linux = sys.platform.startswith("linux")
     with Slab.create(total_slots=64, slot_bytes=SLOT) as slab:
-        before = process_memory(os.getpid())
+        before, private_before = process_memory(os.getpid()), private_bytes(os.getpid())
         for slot in range(64):
             view = slab.slot_view(slot)
             view[:] = b"\2" * SLOT
             view.release()
-        after = process_memory(os.getpid())
+        after, private_after = process_memory(os.getpid()), private_bytes(os.getpid())
         assert slab.resident_bytes() == 64 * SLOT
         assert after.shmem - before.shmem >= 64 * SLOT // 2  # the slab's pages are in its PSS ...
         assert after.own - before.own < 64 * SLOT // 2  # ... and taken out of what it owns
+        heap = bytearray(b"\1" * (64 * 2**20))  # written: resident
+        private_heap = private_bytes(os.getpid())
+        del heap
+    if linux:
+        assert private_before is not None and private_after is not None and private_heap is not None
+        assert private_after - private_before < 64 * SLOT // 2  # the slab is not anonymous memory
+        assert 60 * 2**20 <= private_heap - private_after < 68 * 2**20, private_heap - private_after
+    else:
+        assert private_before is private_after is private_heap is None
     with pytest.raises(psutil.NoSuchProcess):
         process_memory(2**22 + 12345)
+    assert private_bytes(2**22 + 12345) is None
 
 
 def test_the_slab_is_sized_after_the_processes_and_a_budget_they_fill_is_refused_naming_them():
