@@ -11,16 +11,23 @@ ordering is what makes a lease the GPU worker takes itself safe; `sync` only add
 `processed(...)` ends each worker message that may change residency (routes, fence, prefetch, a
 `visited` that fences or predicts): sync, then publish the count. The worker leases through the words only
 while that count equals what it sent, so it sees the residency its next `routes` would have seen.
+Between two messages a prefetch that lands is published at once (`landed`): that only adds a
+ready resident, which a `routes` sent then would find as well, and it is what lets the visit the
+prefetch was for lease without a round trip.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from coordinator.slot_table import SlotTable
+from coordinator.slot_table import SlotRecord, SlotTable
 from shared.config import RunConfig
 from shared.lease_words import LeaseWords
 from shared.slab import Slab
+
+if TYPE_CHECKING:
+    from coordinator.residency_prefetch import PrefetchingCore
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +52,10 @@ class LeasePublisher:
     def enabled(self) -> bool:
         return self.words is not None
 
-    def attach(self, table: SlotTable) -> None:
-        self._table = table
+    def attach(self, manager: PrefetchingCore) -> None:
+        """Follow `manager`'s slot table: synced at `processed`, and a landed prefetch at once."""
+        self._table = manager.slot_table
+        manager.on_landed = self.landed
 
     def withdraw(self, slot: int) -> None:
         """Before `slot`'s bytes change: no reader may be in it, or enter it, from here on."""
@@ -68,19 +77,31 @@ class LeasePublisher:
             return
         lookup = self._table.lookup
         for record in self._table.slots:
-            key = None
-            if record.phase in ("ready", "leased") and record.layer is not None and record.expert_id is not None:
-                candidate = (record.layer, record.expert_id)
-                if lookup.get(candidate) == record.id:
-                    key = candidate
-            now = self._published[record.id]
-            if key == now:
-                continue
-            if now is not None:
-                self.withdraw(record.id)
-            if key is not None:
-                self.words.publish(record.id, *key)
-                self._published[record.id] = key
+            self._match(record, lookup)
+
+    def landed(self, record: SlotRecord) -> None:
+        """A read between two messages made `record`'s expert resident (a prefetch landed while its
+        layer waits to be visited): publish it now, so that the visit can lease it without a round
+        trip. Publishing only adds a ready resident, which a `routes` sent now would also find."""
+        if self.words is not None and self._table is not None:
+            self._match(record, self._table.lookup)
+
+    def _match(self, record: SlotRecord, lookup: dict[tuple[int, int], int]) -> None:
+        """Make the words' entry of one slot what the table says of it."""
+        assert self.words is not None
+        key = None
+        if record.phase in ("ready", "leased") and record.layer is not None and record.expert_id is not None:
+            candidate = (record.layer, record.expert_id)
+            if lookup.get(candidate) == record.id:
+                key = candidate
+        now = self._published[record.id]
+        if key == now:
+            return
+        if now is not None:
+            self.withdraw(record.id)
+        if key is not None:
+            self.words.publish(record.id, *key)
+            self._published[record.id] = key
 
     def processed(self) -> None:
         """One more of the GPU worker's residency messages is fully handled."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from coordinator.prefetch import PrefetchBook
 from coordinator.replacement import choose_victim
@@ -49,6 +49,8 @@ class PrefetchingCore(ResidencyCore):
         self._reads: set[asyncio.Task[None]] = set()
         self._reading: dict[int, dict[int, SlotRecord]] = {}  # layer -> slot -> its prefetch in flight
         self._table.on_prefetch_lost = self._prefetch_lost
+        # A prefetched expert became resident between two messages (the lease words publish it).
+        self.on_landed: Callable[[SlotRecord], None] | None = None
 
     # -- the prefetch path -------------------------------------------------
 
@@ -191,6 +193,8 @@ class PrefetchingCore(ResidencyCore):
             self._table.try_forget(record, errors)
             for error in errors:
                 logger.warning("slot %d of a failed prefetch could not be discarded: %s", record.id, error)
+        elif self.on_landed is not None:
+            self.on_landed(record)
 
     def _prefetch_used(self, record: SlotRecord, waited_ms: float | None) -> None:
         self._prefetch_bytes.pop(record.id, None)

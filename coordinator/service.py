@@ -128,7 +128,7 @@ class Coordinator:
             prefetch=PrefetchBook(mode=config.prefetch),  # type: ignore[arg-type]
             replacement=config.replacement,
         )
-        self.publisher.attach(self.manager.slot_table)
+        self.publisher.attach(self.manager)
         self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
         self.sizing = SlabSizing(config, self.meter, self.manager)
         self.safepoints = SafePoints(

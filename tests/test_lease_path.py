@@ -69,7 +69,7 @@ class _Side:
             replacement=replacement,
             route_observer=lambda layer, rows: self.routes.append((layer, tuple(np.asarray(rows).reshape(-1)))),
         )
-        self.publisher.attach(self.manager.slot_table)
+        self.publisher.attach(self.manager)
         self.service = LeaseService(manager=self.manager, experts_per_layer=experts)
         self.unsent: int | None = None  # the message path's lease fenced, not yet told
         self.sent = 0
@@ -246,3 +246,37 @@ def test_random_traces_get_the_same_decisions_on_both_paths(seed, per_layer, ove
 async def test_real_routing_gets_the_same_decisions_on_both_paths(per_layer):
     shared = await _replay(read_trace(REAL_TRACE), per_layer=per_layer, tokens=80)
     assert shared.shared_visits > 0
+
+
+@run_async
+async def test_a_prefetch_that_lands_between_messages_is_published_at_once():
+    """The visit a prefetch was for can lease it through the words with no message in between
+    (coordinator.lease_publisher.LeasePublisher.landed); a read still in flight, or one that
+    failed, is never published."""
+    plan = one_byte_plan(layers=(0, 1), working=2, per_layer=3)
+    size = lease_words_bytes(slots=plan.total_slots, layers=2, experts=8)
+    words = LeaseWords(bytearray(size), offset=0, slots=plan.total_slots, layers=2, experts=8)
+    backend = InMemoryBackend(plan.total_slots, manual=True)
+    publisher = LeasePublisher(words)
+    manager = ExpertResidencyManager(
+        plan=plan,
+        sparse_layer_ids=[0, 1],
+        backend=PublishingBackend(backend, publisher),
+        locate=lambda layer, expert: ExpertResidencyLocation(
+            layer, expert, (ExpertIOSegment(file=0, offset=expert * 64, length=64, destination=0),)
+        ),
+        prefetch=PrefetchBook(mode="on"),
+    )
+    publisher.attach(manager)
+    backend.fail_load(lambda slot, segments: segments[0].offset == 5 * 64)  # expert 5's read fails
+    assert manager.prefetch(1, [4, 5]) == 2
+    publisher.processed()  # the message that carried the prediction: both reads are in flight
+    assert words.lease(1, [4]) is None and words.lease(1, [5]) is None
+    four = manager.slot_table.lookup[(1, 4)]
+    for slot, generation in backend.pending():
+        backend.complete(slot, generation)
+    await manager.settle_prefetch()
+    assert words.lease(1, [4]) == (four,)  # landed: leasable before any further message
+    words.release((four,))
+    assert words.lease(1, [5]) is None and (1, 5) not in manager.slot_table.lookup  # the failed read
+    assert words.processed() == 1  # no message was counted meanwhile
