@@ -29,6 +29,7 @@ from shared.commands import parse_coordinator_argv
 from shared.config import RunConfig, read_config
 from shared.curve import load_server_keys
 from shared.process import ProcessLife
+from shared.scheduling import enter_helper_scheduling
 from shared.slab import Slab
 from shared.sockets import open_socket
 from shared.store import ExpertStore
@@ -175,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", error)
         return EXIT_FAILED
     logging.getLogger().setLevel((args.log_level or config.log_level).upper())
+    enter_helper_scheduling(config.helper_scheduling)  # before any thread starts: they inherit it
     return asyncio.run(run_coordinator(config, death_fd=args.death_fd))
 
 

@@ -43,6 +43,7 @@ class System:
         max_sequences: int | None = None,
         copy_ahead: str = "on",
         prefetch_margin: int | None = None,
+        helper_scheduling: str = "normal",
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots
@@ -62,7 +63,7 @@ class System:
             prefetch=prefetch,
             io_staging=io_staging,
             lease_path=lease_path,
-            run_config={"copy_ahead": copy_ahead}
+            run_config={"copy_ahead": copy_ahead, "helper_scheduling": helper_scheduling}
             | ({} if max_sequences is None else {"max_sequences": max_sequences})
             | ({} if prefetch_margin is None else {"prefetch_margin": prefetch_margin}),
         )

@@ -46,6 +46,7 @@ from shared.protocol import (
     error_frame,
     unpack_map,
 )
+from shared.scheduling import enter_helper_scheduling
 from shared.slab import Slab
 from shared.sockets import open_socket
 
@@ -95,9 +96,17 @@ class _Server:
     """Socket-thread state of a running worker."""
 
     def __init__(
-        self, sock: zmq.Socket, config: IOWorkerArgs, files: list[BypassFile], engine: LoadEngine, hints: HintQueue
+        self,
+        sock: zmq.Socket,
+        config: IOWorkerArgs,
+        files: list[BypassFile],
+        engine: LoadEngine,
+        hints: HintQueue,
+        *,
+        scheduling: str,
     ) -> None:
         self.sock, self.config, self.files, self.engine, self.hints = sock, config, files, engine, hints
+        self.scheduling = scheduling  # what shared.scheduling applied
         self.bad_commands = 0
         self.last_hint_status = HintStatus()
         self.stopping = False
@@ -198,11 +207,13 @@ class _Server:
             staged_reads=staging.staged_reads,
             staged_bytes=staging.staged_bytes,
             staging_copy_ms=staging.copy_ms,
+            scheduling=self.scheduling,
         )
 
 
 def run_io_worker(config: IOWorkerArgs) -> int:
     """Serve until shutdown, SIGTERM/SIGINT or the parent's death; the exit code."""
+    scheduling = enter_helper_scheduling(config.scheduling)  # before any thread starts: they inherit it
     with ProcessLife(death_fd=config.death_fd) as life:
         context = zmq.Context()
         files: list[BypassFile] = []
@@ -238,10 +249,16 @@ def run_io_worker(config: IOWorkerArgs) -> int:
                 delay_s=config.test_read_delay_ms / 1e3,
             )
             hints = HintQueue(files=files, capacity=config.hint_queue, notify=life.wake)
-            server = _Server(sock, config, files, engine, hints)
+            server = _Server(sock, config, files, engine, hints, scheduling=scheduling)
             modes = tuple(f.mode for f in files)
             sock.send(encode(Ready(index=config.index, pid=os.getpid(), block_size=config.block_size, modes=modes)))
-            logger.info("ready: %d files (%s), slab %s", len(files), ",".join(sorted(set(modes))), config.slab_name)
+            logger.info(
+                "ready: %d files (%s), slab %s, scheduling %s",
+                len(files),
+                ",".join(sorted(set(modes))),
+                config.slab_name,
+                scheduling,
+            )
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             life.register(poller)

@@ -77,6 +77,7 @@ from instruments.machine import MemoryWatch, total_memory
 from instruments.mlx_reference import MlxLm, prompt_tokens, until_eos
 from instruments.system_jobs import System
 from shared.config import COPY_AHEAD_MODES, LEASE_PATHS, check_compute_lanes
+from shared.scheduling import HELPER_SCHEDULING
 from shared.store import ExpertStore
 
 
@@ -128,6 +129,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=COPY_AHEAD_MODES,
         default="on",
         help="copy the next layer's predicted experts while a layer computes (copy path)",
+    )
+    run.add_argument(
+        "--helper-scheduling",
+        choices=HELPER_SCHEDULING,
+        default="normal",
+        help="the coordinator's and I/O workers' Linux scheduling class (shared/scheduling.py)",
     )
     run.add_argument(
         "--max-sequences",
@@ -222,6 +229,7 @@ class Bench:
             max_sequences=self.args.max_sequences,
             copy_ahead=self.args.copy_ahead,
             prefetch_margin=self.args.prefetch_margin,
+            helper_scheduling=self.args.helper_scheduling,
         )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the

@@ -23,6 +23,7 @@ from native import DEFAULT_BLOCK_SIZE, OpenMode, check_block_size
 from native.staging import STAGING_REQUESTS, StagingRequest
 from shared.config import IO_MODES, MAX_COMPUTE_LANES, RunConfig, check_compute_lanes
 from shared.gpu_messages import MAX_ROUTE_ROWS
+from shared.scheduling import HELPER_SCHEDULING
 
 COORDINATOR_MODULE, IO_WORKER_MODULE, GPU_WORKER_MODULE = "coordinator", "ioworker", "gpuworker"
 HTTP_FRONT_MODULE = "httpfront"
@@ -83,6 +84,7 @@ class IOWorkerArgs:
     queue_depth: int = 8
     io_mode: OpenMode = "auto"
     staging: StagingRequest = "auto"
+    scheduling: str = "normal"  # shared.scheduling.HELPER_SCHEDULING
     hint_queue: int = 256
     death_fd: int | None = None
     handshake_timeout: float = 10.0
@@ -108,6 +110,7 @@ def parse_io_worker_argv(argv: Sequence[str] | None = None) -> IOWorkerArgs:
     add("--queue-depth", type=int, default=8, help="concurrent reads")
     add("--io-mode", choices=list(IO_MODES), default="auto")
     add("--staging", choices=list(STAGING_REQUESTS), default="auto", help="direct reads through huge-page buffers")
+    add("--scheduling", choices=list(HELPER_SCHEDULING), default="normal", help="Linux scheduling class")
     add("--hint-queue", type=int, default=256, help="hint messages queued before drops")
     add("--death-fd", type=int, default=None, help="read end of the parent's death pipe")
     add("--handshake-timeout", type=float, default=10.0)
@@ -140,6 +143,7 @@ def io_worker_args_for(run: RunConfig, index: int) -> IOWorkerArgs:
         log_level=run.log_level,
         test_read_delay_ms=run.test_io_read_delay_ms or 0.0,
         staging=run.io_staging,  # type: ignore[arg-type]
+        scheduling=run.helper_scheduling,
     )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.plan import ExpertResidencyPlan
+from shared.scheduling import HELPER_SCHEDULING
 
 CONFIG_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -156,6 +157,8 @@ class RunConfig:
     # computes (gpuworker/copy_ahead.py), so that only mispredicted ones are copied on its critical path.
     copy_ahead: str = "on"  # COPY_AHEAD_MODES
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
+    # The coordinator's and the I/O workers' scheduling class (shared/scheduling.py): normal | batch.
+    helper_scheduling: str = "normal"
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy (parse_replacement)
     # The job front door's limits (coordinator/job_limits.py); None: the model's context, or for
@@ -305,6 +308,8 @@ def check_config(config: RunConfig) -> RunConfig:
     for name in ("max_prompt_tokens", "max_tokens", "max_queued_per_client"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
+    if config.helper_scheduling not in HELPER_SCHEDULING:
+        raise ConfigError(f"helper_scheduling must be one of {HELPER_SCHEDULING}, got {config.helper_scheduling!r}")
     if config.io_staging not in STAGING_MODES:
         raise ConfigError(f"io_staging must be one of {STAGING_MODES}, got {config.io_staging!r}")
     if config.prefetch_margin is not None and not 0 <= config.prefetch_margin <= 64:

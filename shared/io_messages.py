@@ -188,6 +188,7 @@ class WorkerTelemetry:
     staged_reads: int = 0
     staged_bytes: int = 0
     staging_copy_ms: float = 0.0
+    scheduling: str = ""  # the worker's scheduling class (shared/scheduling.py), or why it kept the default
 
 
 WORKER_COMMANDS = make_registry(Welcome, Load, Cancel, Hint, TelemetryRequest, Shutdown)

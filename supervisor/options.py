@@ -18,6 +18,7 @@ from shared.config import (
     check_jobs_endpoint,
     parse_replacement,
 )
+from shared.scheduling import HELPER_SCHEDULING
 from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, parse_size
 from supervisor.http_child import check_http
 
@@ -58,6 +59,7 @@ class SupervisorOptions:
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
     lease_path: str = "shared"  # shared.config.LEASE_PATHS
     copy_ahead: str = "on"  # shared.config.COPY_AHEAD_MODES
+    helper_scheduling: str = "normal"  # the coordinator's and I/O workers' class (shared/scheduling.py)
     # The job front door's limits (coordinator/job_limits.py); None: the model's context, or half the queue.
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
@@ -78,8 +80,9 @@ def job_limits(options: SupervisorOptions) -> dict[str, int]:
 
 
 def prediction_fields(options: SupervisorOptions) -> dict[str, object]:
-    """The flags for the next layer's experts (copy ahead, prefetch margin) as `RunConfig` fields."""
-    fields: dict[str, object] = {"copy_ahead": options.copy_ahead}
+    """The flags for the next layer's experts (copy ahead, prefetch margin) and for the helpers'
+    scheduling as `RunConfig` fields."""
+    fields: dict[str, object] = {"copy_ahead": options.copy_ahead, "helper_scheduling": options.helper_scheduling}
     if options.prefetch_margin is not None:
         fields["prefetch_margin"] = options.prefetch_margin
     return fields
@@ -202,6 +205,14 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         "computes, so that only mispredicted ones are copied when the layer's routes are known",
     )
     add(
+        "--helper-scheduling",
+        choices=HELPER_SCHEDULING,
+        default="normal",
+        help="Linux: batch runs the coordinator and the I/O workers as SCHED_BATCH, so that their many short "
+        "wake-ups do not preempt the GPU worker's compute threads when MLX computes on the CPU (an experiment; "
+        "README says what it measured); normal: the default class",
+    )
+    add(
         "--lease-path",
         choices=LEASE_PATHS,
         default="shared",
@@ -322,6 +333,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         replacement=ns.replacement,
         lease_path=ns.lease_path,
         copy_ahead=ns.copy_ahead,
+        helper_scheduling=ns.helper_scheduling,
         max_prompt_tokens=ns.max_prompt_tokens,
         max_tokens=ns.max_tokens,
         max_queued_per_client=ns.max_queued_per_client,

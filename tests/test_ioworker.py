@@ -170,6 +170,20 @@ def test_loads_land_exactly_and_telemetry_counts(coordinator, files, slab):
     assert telemetry.bypass_files == 2 and telemetry.fallback_files == 0
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+@pytest.mark.parametrize("scheduling", ["batch", "normal"])
+def test_every_thread_of_a_worker_runs_in_its_scheduling_class(coordinator, scheduling):
+    """Set before any thread starts, so the readers and ZeroMQ's I/O thread have it too (shared/scheduling.py)."""
+    coord = coordinator(scheduling=scheduling)
+    coord.send(good_load(0, 1))
+    assert coord.expect(Loaded).ok  # the readers have started
+    coord.send(TelemetryRequest())
+    assert coord.expect(WorkerTelemetry).scheduling == scheduling
+    threads = [int(tid) for tid in os.listdir(f"/proc/{coord.worker.pid}/task")]
+    policy = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
+    assert len(threads) > 3 and {os.sched_getscheduler(tid) for tid in threads} == {policy}
+
+
 def test_forced_fallback_is_reported(coordinator, files, slab):
     coord = coordinator(io_mode="dontneed")
     coord.send(good_load(0, 1))
@@ -362,9 +376,12 @@ def test_manifest_and_arguments_are_validated(tmp_path):
         death_fd=7,
         test_read_delay_ms=5.0,
         staging="off",
+        scheduling="normal",
     )
     assert parse_io_worker_argv(io_worker_argv(config)) == config
     with pytest.raises(SystemExit):
         parse_io_worker_argv([*io_worker_argv(config), "--block-size", "1000"])
     with pytest.raises(SystemExit):
         parse_io_worker_argv([*io_worker_argv(config), "--staging", "always"])
+    with pytest.raises(SystemExit):
+        parse_io_worker_argv([*io_worker_argv(config), "--scheduling", "idle"])

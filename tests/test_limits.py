@@ -146,11 +146,14 @@ def test_the_prediction_flags_become_run_config_fields():
     from supervisor.options import parse_args, prediction_fields
 
     base = ["--model", "/m", "--memory-budget", "1GiB"]
-    assert prediction_fields(parse_args(base)) == {"copy_ahead": "on"}  # RunConfig's margin applies
-    flags = ["--prefetch-margin", "0", "--copy-ahead", "off"]
-    assert prediction_fields(parse_args([*base, *flags])) == {"copy_ahead": "off", "prefetch_margin": 0}
-    with pytest.raises(SystemExit):
-        parse_args([*base, "--prefetch-margin", "-1"])
+    defaults = {"copy_ahead": "on", "helper_scheduling": "normal"}  # RunConfig's margin applies
+    assert prediction_fields(parse_args(base)) == defaults
+    flags = ["--prefetch-margin", "0", "--copy-ahead", "off", "--helper-scheduling", "batch"]
+    set_ = {"copy_ahead": "off", "prefetch_margin": 0, "helper_scheduling": "batch"}
+    assert prediction_fields(parse_args([*base, *flags])) == set_
+    for bad in (["--prefetch-margin", "-1"], ["--helper-scheduling", "idle"]):
+        with pytest.raises(SystemExit):
+            parse_args([*base, *bad])
 
 
 def test_limits_resolve_from_the_flags_the_context_and_a_default():

@@ -288,6 +288,7 @@ def test_stop_removes_everything_and_the_config_is_complete(models, tmp_path):
         test_hooks=(),
         pinned=2,
         usage_file=usage,
+        run_config={"helper_scheduling": "batch"},
         **with_processes(store, tight_budget(store) + 2 * store.slot_bytes, pinned=2),
     ) as system:
         run_dir, slab = system.run_dir, system.slab_name
@@ -301,6 +302,18 @@ def test_stop_removes_everything_and_the_config_is_complete(models, tmp_path):
         assert os.path.exists(f"/dev/shm{slab}")
         children = list(system.children)
         assert set(system.pids) == {"coordinator", "I/O worker 0", "I/O worker 1", "GPU worker"}
+        assert config["helper_scheduling"] == "batch"  # the helpers', never the GPU worker's (shared/scheduling.py)
+        policies = {
+            role: {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+            for role, pid in system.pids.items()
+        }
+        batch = {os.SCHED_BATCH}
+        assert policies == {
+            "coordinator": batch,
+            "I/O worker 0": batch,
+            "I/O worker 1": batch,
+            "GPU worker": {os.SCHED_OTHER},
+        }
         health = system.health()
         assert health.ready and health.io_workers == 2 and health.gpu_worker
         result = run_job(system, max_tokens=4, return_logprobs=False)
@@ -365,6 +378,10 @@ def test_config_round_trip_and_refusals(tmp_path):
         (lambda d: d.update(io_replacement_grace_s=-1), "config.io_replacement_grace_s must be a non-negative"),
         (lambda d: d.update(start_timeout_s=float("nan")), "config.start_timeout_s must be a non-negative number"),
         (lambda d: d.update(compute_lanes=17), "compute_lanes must be in [1, 16]"),
+        (
+            lambda d: d.update(helper_scheduling="idle"),
+            "helper_scheduling must be one of ('batch', 'normal'), got 'idle'",
+        ),
         (lambda d: d.pop("plan"), "missing field 'plan'"),  # last: the coordinator is run on it below
     ):
         broken = json.loads(json.dumps(data))

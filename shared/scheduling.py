@@ -1,0 +1,65 @@
+"""The scheduling class of the coordinator and the I/O workers (Linux).
+
+Their work is many short wake-ups: a read completes, a message arrives, a reply goes out; more
+than a dozen per expert read (its 9 O_DIRECT reads on pool threads, the load, its reply). Under
+the default class each wake-up of a thread that slept preempts whatever runs on its core, and on
+a machine whose cores compute (MLX on the CPU) that is the GPU worker: at 25% residency (the
+default benchmark) its compute thread waited 1.2 s in 15 s runnable but not running, against
+0.04 s with every expert resident.
+
+`batch` (SCHED_BATCH) takes those wake-ups out of preemption: the helper runs on a free core at
+once, or when the running thread's slice ends, and keeps its fair share of CPU (nothing starves,
+unlike SCHED_IDLE). It needs no privilege. Elsewhere (macOS, where the GPU computes) there is no
+such class: the process keeps the default and says so.
+
+It is not the default (`normal`): it halved the compute thread's preemptions (involuntary
+switches 4072 -> 2018, run-queue wait 1.2 -> 0.8 s in 15 s), but the coordinator, no longer
+preempting either, answered misses later (lease wait 9.8-10.0 -> 11.4-12.2 ms per token), and
+decode moved less than this host's noise: 0.896 of the resident system (median of 9 rounds)
+against 0.877 (12 rounds) under the default class.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+HELPER_SCHEDULING = ("batch", "normal")
+
+
+def enter_helper_scheduling(requested: str) -> str:
+    """Put this process's threads, and every thread they start from now on, in `requested`'s class.
+
+    Call it early in a process's entry: threads inherit the class of the thread that starts them
+    (ZeroMQ's I/O thread, the readers), and the ones already running (a BLAS pool started when
+    numpy was imported) are moved one by one. Returns what the process runs under, logged:
+    "batch", "normal", or "normal (<why batch was not applied>)" (a warning)."""
+    if requested not in HELPER_SCHEDULING:
+        raise ValueError(f"helper scheduling must be one of {HELPER_SCHEDULING}, got {requested!r}")
+    batch = getattr(os, "SCHED_BATCH", None)
+    if requested == "normal":
+        outcome = "normal"
+    elif batch is None or not hasattr(os, "sched_setscheduler"):
+        outcome = "normal (this platform has no SCHED_BATCH)"
+    else:
+        try:
+            for thread in _threads():
+                os.sched_setscheduler(thread, batch, os.sched_param(0))
+            outcome = "batch"
+        except OSError as error:  # e.g. a seccomp profile that forbids it
+            outcome = f"normal (SCHED_BATCH refused: {error})"
+    logger.log(logging.INFO if outcome == requested else logging.WARNING, "scheduling: %s", outcome)
+    return outcome
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (0, the calling thread, where /proc cannot list them)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+__all__ = ["HELPER_SCHEDULING", "enter_helper_scheduling"]

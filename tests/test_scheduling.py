@@ -1,0 +1,75 @@
+"""The helpers' scheduling class (shared/scheduling.py): applied to a process and the threads it
+starts, the default kept on request, and a class that cannot be had reported, not faked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shared.scheduling import enter_helper_scheduling
+
+LINUX_ONLY = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+
+# A fresh interpreter, so the test process keeps its own class: a thread runs before it enters
+# one (as a BLAS pool started by an import would), another is started after.
+_PROBE = """
+import os, sys, threading
+from shared.scheduling import enter_helper_scheduling
+go, ids = threading.Event(), []
+before = threading.Thread(target=lambda: (ids.append(threading.get_native_id()), go.wait()))
+before.start()
+while not ids:
+    pass
+print(enter_helper_scheduling(sys.argv[1]))
+seen = []
+after = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+after.start(); after.join()
+print(os.sched_getscheduler(0), os.sched_getscheduler(ids[0]), seen[0])
+go.set(); before.join()
+"""
+
+
+def _probe(requested: str) -> tuple[str, list[int]]:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, requested], capture_output=True, text=True, timeout=60, check=True
+    )
+    outcome, policies = done.stdout.splitlines()
+    return outcome, [int(policy) for policy in policies.split()]  # main, a thread before, one after
+
+
+@LINUX_ONLY
+def test_batch_holds_for_every_thread_of_the_process_and_the_ones_it_starts_later():
+    assert _probe("batch") == ("batch", [os.SCHED_BATCH] * 3)
+
+
+@LINUX_ONLY
+def test_normal_keeps_the_default_class():
+    assert _probe("normal") == ("normal", [os.SCHED_OTHER] * 3)
+
+
+def test_a_platform_without_batch_keeps_the_default_and_says_so(monkeypatch, caplog):
+    monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
+    with caplog.at_level(logging.WARNING, logger="shared.scheduling"):
+        assert enter_helper_scheduling("batch") == "normal (this platform has no SCHED_BATCH)"
+    assert "no SCHED_BATCH" in caplog.text
+
+
+@LINUX_ONLY
+def test_a_refused_class_keeps_the_default_and_says_why(monkeypatch, caplog):
+    def refuse(pid, policy, param):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    with caplog.at_level(logging.WARNING, logger="shared.scheduling"):
+        outcome = enter_helper_scheduling("batch")
+    assert outcome.startswith("normal (SCHED_BATCH refused:") and "not permitted" in outcome
+    assert outcome in caplog.text
+
+
+def test_an_unknown_class_is_refused_by_name():
+    with pytest.raises(ValueError, match="'idle'"):
+        enter_helper_scheduling("idle")
