@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", error)
         return EXIT_FAILED
     logging.getLogger().setLevel((args.log_level or config.log_level).upper())
-    enter_helper_scheduling(config.helper_scheduling)  # before any thread starts: they inherit it
+    enter_helper_scheduling(config.helper_scheduling)  # every thread, and the ones started from here on
     return asyncio.run(run_coordinator(config, death_fd=args.death_fd))
 
 

@@ -213,7 +213,7 @@ class _Server:
 
 def run_io_worker(config: IOWorkerArgs) -> int:
     """Serve until shutdown, SIGTERM/SIGINT or the parent's death; the exit code."""
-    scheduling = enter_helper_scheduling(config.scheduling)  # before any thread starts: they inherit it
+    scheduling = enter_helper_scheduling(config.scheduling)  # every thread, and the ones started from here on
     with ProcessLife(death_fd=config.death_fd) as life:
         context = zmq.Context()
         files: list[BypassFile] = []

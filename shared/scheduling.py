@@ -44,14 +44,28 @@ def enter_helper_scheduling(requested: str) -> str:
     elif batch is None or not hasattr(os, "sched_setscheduler"):
         outcome = "normal (this platform has no SCHED_BATCH)"
     else:
+        moved: list[int] = []
         try:
             for thread in _threads():
-                os.sched_setscheduler(thread, batch, os.sched_param(0))
+                try:
+                    os.sched_setscheduler(thread, batch, os.sched_param(0))
+                except ProcessLookupError:  # the thread ended since it was listed
+                    continue
+                moved.append(thread)
             outcome = "batch"
         except OSError as error:  # e.g. a seccomp profile that forbids it
+            _restore(moved)  # all or nothing: the outcome says what every thread runs under
             outcome = f"normal (SCHED_BATCH refused: {error})"
     logger.log(logging.INFO if outcome == requested else logging.WARNING, "scheduling: %s", outcome)
     return outcome
+
+
+def _restore(threads: list[int]) -> None:
+    for thread in threads:
+        try:
+            os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:  # ended, or refused too: nothing more to do
+            pass
 
 
 def _threads() -> list[int]:

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from shared import scheduling
 from shared.scheduling import enter_helper_scheduling
 
 LINUX_ONLY = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
@@ -59,15 +60,25 @@ def test_a_platform_without_batch_keeps_the_default_and_says_so(monkeypatch, cap
 
 
 @LINUX_ONLY
-def test_a_refused_class_keeps_the_default_and_says_why(monkeypatch, caplog):
-    def refuse(pid, policy, param):
-        raise PermissionError(1, "Operation not permitted")
+def test_a_refused_class_keeps_the_default_for_every_thread_and_says_why(monkeypatch, caplog):
+    """Refused at the second thread: the first one moved goes back, so the outcome holds for all;
+    a thread that ended since it was listed is no refusal."""
+    calls: list[tuple[int, int]] = []
 
-    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    def refuse_the_second(thread, policy, param):
+        calls.append((thread, policy))
+        if thread == 12:
+            raise ProcessLookupError(3, "No such process")
+        if policy == os.SCHED_BATCH and len(calls) > 2:
+            raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(scheduling, "_threads", lambda: [11, 12, 13])
+    monkeypatch.setattr(os, "sched_setscheduler", refuse_the_second)
     with caplog.at_level(logging.WARNING, logger="shared.scheduling"):
         outcome = enter_helper_scheduling("batch")
     assert outcome.startswith("normal (SCHED_BATCH refused:") and "not permitted" in outcome
     assert outcome in caplog.text
+    assert calls == [(11, os.SCHED_BATCH), (12, os.SCHED_BATCH), (13, os.SCHED_BATCH), (11, os.SCHED_OTHER)]
 
 
 def test_an_unknown_class_is_refused_by_name():
