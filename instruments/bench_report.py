@@ -230,12 +230,16 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
                 f"{s['copy_ahead_found_fraction']:.2f} of those found copied already; precision "
                 f"{s['copy_ahead_precision']:.2f}"
             )
-        cpu = s.get("cpu_ms_per_token")
-        if cpu:
-            lines.append(
-                f"  CPU per generated token (the whole job, prefill included): GPU worker {cpu['gpu_worker']:.1f} ms, "
-                f"coordinator {cpu['coordinator']:.1f} ms, I/O workers {cpu['io_workers']:.1f} ms"
-            )
+        for key, what in (
+            ("cpu_ms_per_token", "CPU per generated token (the whole job, prefill included)"),
+            ("decode_cpu_ms_per_token", "CPU per decode token (from the first token on)"),
+        ):
+            cpu = s.get(key)
+            if cpu:
+                lines.append(
+                    f"  {what}: GPU worker {cpu['gpu_worker']:.1f} ms, "
+                    f"coordinator {cpu['coordinator']:.1f} ms, I/O workers {cpu['io_workers']:.1f} ms"
+                )
         roof = s.get("roofline")
         if roof:
             if "roofline_tok_s" in roof:

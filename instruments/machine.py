@@ -63,11 +63,14 @@ def process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
     return seconds
 
 
+CPU_ROLES = ("gpu_worker", "coordinator", "io_workers")
+
+
 def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
-    """CPU milliseconds per token a job cost each role: the GPU worker, the coordinator, the I/O
-    workers together. On a machine whose cores the compute needs, what the I/O path burns is
-    taken from decode; this shows how much."""
-    roles = {"gpu_worker": 0.0, "coordinator": 0.0, "io_workers": 0.0}
+    """CPU milliseconds per token each role spent between two `process_cpu_s` readings: the GPU
+    worker, the coordinator, the I/O workers together. Read from a job's start it includes the
+    prefill; read from its first token, decode alone (what the helpers take while a token computes)."""
+    roles = dict.fromkeys(CPU_ROLES, 0.0)
     for name, end in after.items():
         role = "gpu_worker" if name == "GPU worker" else "coordinator" if name == "coordinator" else "io_workers"
         roles[role] += max(0.0, end - before.get(name, end))

@@ -14,7 +14,7 @@ from typing import Any
 
 from instruments.figures import median
 from instruments.lease_telemetry import TELEMETRY_KEYS, TelemetryLog, summarize_telemetry
-from instruments.machine import cpu_ms_per_token, process_cpu_s, process_rss
+from instruments.machine import CPU_ROLES, cpu_ms_per_token, process_cpu_s, process_rss
 from shared.client import Client
 from shared.job_messages import TokenEvent
 from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
@@ -87,14 +87,19 @@ class System:
     ) -> dict[str, Any]:
         before = self.telemetry.count()
         cpu_before = process_cpu_s(self.system.pids)
+        cpu_first: dict[str, float] | None = None  # at the first token: what follows is decode alone
         got, done = [], None
         with Client(self.system.endpoint, timeout=600) as client:
             for event in client.generate(prompt_tokens=prompt, max_tokens=tokens, temperature=temperature, seed=seed):
                 if isinstance(event, TokenEvent):
+                    if cpu_first is None:
+                        cpu_first = process_cpu_s(self.system.pids)
                     got.append(event.token)
                 else:
                     done = event
-        cpu = cpu_ms_per_token(cpu_before, process_cpu_s(self.system.pids), len(got))
+        cpu_after = process_cpu_s(self.system.pids)
+        cpu = cpu_ms_per_token(cpu_before, cpu_after, len(got))
+        decode_cpu = cpu_ms_per_token(cpu_first or cpu_after, cpu_after, len(got) - 1)
         record = self.telemetry.wait_for(before + 1)
         self.rss = max(self.rss, process_rss(list(self.system.pids.values())))
         stats = done.stats
@@ -128,6 +133,7 @@ class System:
             },
             "telemetry": summarize_telemetry(record, expert_bytes=self.expert_bytes),
             "cpu_ms_per_token": cpu,  # the whole job (prefill too), per generated token
+            "decode_cpu_ms_per_token": decode_cpu,  # from the first token to the last, per token after the first
         }
         self.jobs.append(job)
         return job
@@ -153,9 +159,9 @@ class System:
             "disk_p99_ms": median([job["disk_p99_ms"] for job in measured]),
             "wait_p50_ms": median([job["wait_p50_ms"] for job in measured]),
             "wait_p99_ms": median([job["wait_p99_ms"] for job in measured]),
-            "cpu_ms_per_token": {
-                role: median([job["cpu_ms_per_token"][role] for job in measured])
-                for role in ("gpu_worker", "coordinator", "io_workers")
+            **{
+                key: {role: median([job[key][role] for job in measured]) for role in CPU_ROLES}
+                for key in ("cpu_ms_per_token", "decode_cpu_ms_per_token")
             },
             "bytes_read_per_token": median([job["bytes_read"] / max(job["generated"], 1) for job in measured]),
             "prefetch": _prefetch_summary(self.prefetch, measured),

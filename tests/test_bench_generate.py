@@ -90,9 +90,14 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         assert 0 < part["copy_ahead_found_fraction"] <= 1 and 0 < part["copy_ahead_precision"] <= 1
         assert set(part["per_layer"]) == {"0", "1"}
         assert part["jobs"][0]["warmup"] and not part["jobs"][1]["warmup"]
-        cpu = part["cpu_ms_per_token"]
-        assert set(cpu) == {"gpu_worker", "coordinator", "io_workers"} and cpu["gpu_worker"] > 0
-        assert all(value >= 0 for value in cpu.values())
+        cpu, decode = part["cpu_ms_per_token"], part["decode_cpu_ms_per_token"]
+        assert set(cpu) == set(decode) == {"gpu_worker", "coordinator", "io_workers"} and decode["gpu_worker"] > 0
+        assert all(value >= 0 for value in [*cpu.values(), *decode.values()])
+        job = part["jobs"][1]  # decode alone leaves the prefill out: less CPU than the whole job's share
+        assert (
+            job["decode_cpu_ms_per_token"]["gpu_worker"] * (job["generated"] - 1)
+            < job["cpu_ms_per_token"]["gpu_worker"] * job["generated"]
+        )
     assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0
     # Every expert resident: the decode visits lease through the lease words, no round trip.
     assert resident["shared_visit_fraction"] > 0.9
