@@ -14,11 +14,7 @@ import subprocess
 import sys
 
 from instruments.figures import MB
-
-
-def round_up(value: int, multiple: int) -> int:
-    """`value` rounded up to a multiple of `multiple`."""
-    return -(-value // multiple) * multiple
+from shared.checks import align_up
 
 
 def bench_fio(
@@ -37,7 +33,7 @@ def bench_fio(
         return None
     start, end = region or (0, os.path.getsize(path))
     size = (end - start) // block * block
-    per_job = max(block, round_up(total_bytes // workers, block))
+    per_job = max(block, align_up(total_bytes // workers, block))
     command = [
         fio,
         "--name=bench_io",

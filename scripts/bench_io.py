@@ -43,8 +43,9 @@ import psutil
 
 from coordinator.io_pool import IOWorkerPool
 from coordinator.residency_types import summarize_expert_latencies
-from instruments.fio import bench_fio, round_up
+from instruments.fio import bench_fio
 from native import DEFAULT_BLOCK_SIZE, advise_dontneed
+from shared.checks import align_up
 from shared.segments import ExpertIOSegment
 from shared.slab import SLOT_ALIGNMENT, Slab
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest, slot_bytes, loads = model_loads(args.model, args.count, seed)
         lengths = sorted(sum(s.length for s in load) for load in loads)
         fio_file = max(manifest, key=os.path.getsize)
-        fio_block = round_up(lengths[len(lengths) // 2], DEFAULT_BLOCK_SIZE)
+        fio_block = align_up(lengths[len(lengths) // 2], DEFAULT_BLOCK_SIZE)
         python_loads, fio_region = loads, None
     else:
         if not args.file:
@@ -292,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         if not path.exists():
             print(f"creating {path} with {args.file_size} random bytes", file=sys.stderr)
             make_file(path, args.file_size)
-        block = round_up(args.block_size, DEFAULT_BLOCK_SIZE)
-        manifest, slot_bytes = [str(path)], round_up(block, SLOT_ALIGNMENT)
+        block = align_up(args.block_size, DEFAULT_BLOCK_SIZE)
+        manifest, slot_bytes = [str(path)], align_up(block, SLOT_ALIGNMENT)
         ranges = regions(path.stat().st_size, args.disjoint)
         loads = raw_loads(block, args.count, seed, args.align, ranges["workers"])
         python_loads = raw_loads(block, args.count, seed + 1, args.align, ranges["python"])

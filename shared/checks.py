@@ -1,4 +1,5 @@
-"""Integer checks shared by every process: one rule for "a count", naming the bad value."""
+"""Integer checks shared by every process: one rule for "a count", naming the bad value; and
+the one rounding up to an alignment."""
 
 from __future__ import annotations
 
@@ -22,4 +23,9 @@ def require_int(value: object, name: str, *, minimum: int = 0) -> int:
     return number
 
 
-__all__ = ["require_int"]
+def align_up(value: int, alignment: int) -> int:
+    """`value` rounded up to a multiple of `alignment` (block sizes, slot alignment, fio's blocks)."""
+    return -(-value // alignment) * alignment
+
+
+__all__ = ["align_up", "require_int"]

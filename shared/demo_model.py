@@ -38,6 +38,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from shared.checks import align_up
+
 __all__ = [
     "DEMO_CONFIG",
     "DEMO_MEMORY_BUDGET",
@@ -223,10 +225,6 @@ class DemoSizes:
     floor_bytes: int  # dense + (top_k working slots + one slot per sparse layer): the least budget that starts
 
 
-def _align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
-
-
 def demo_sizes(config: dict, *, block_size: int = 4096) -> DemoSizes:
     """Dense and expert bytes of a qwen3_moe `config` (the demo's family)."""
     if config.get("model_type") != "qwen3_moe":
@@ -247,7 +245,7 @@ def demo_sizes(config: dict, *, block_size: int = 4096) -> DemoSizes:
     dense += (layers - len(sparse)) * 3 * hidden * config["intermediate_size"]  # dense MLP layers
     one_tensor = moe_inter * hidden * width
     one_expert = 3 * one_tensor
-    slot = _align_up(3 * _align_up(one_tensor + block_size - 1, block_size), 16 * 1024)
+    slot = align_up(3 * align_up(one_tensor + block_size - 1, block_size), 16 * 1024)
     top_k = config["num_experts_per_tok"]
     return DemoSizes(
         dense_bytes=dense * width,
@@ -263,8 +261,8 @@ def demo_sizes(config: dict, *, block_size: int = 4096) -> DemoSizes:
 
 def suggested_budget(sizes: DemoSizes) -> int:
     """A quarter of the experts, rounded up to a MiB, never below what the slab needs to start."""
-    quarter = _align_up(sizes.expert_bytes // 4, MiB)
-    return max(quarter, _align_up(sizes.floor_bytes, MiB))
+    quarter = align_up(sizes.expert_bytes // 4, MiB)
+    return max(quarter, align_up(sizes.floor_bytes, MiB))
 
 
 def demo_config(**overrides: Any) -> dict:

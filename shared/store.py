@@ -29,7 +29,7 @@ from types import MappingProxyType
 import numpy as np
 
 from shared.checkpoint import CheckpointExperts, ExpertTensorSpec, SparseLayer, find_sparse_layers, load_config
-from shared.checks import require_int
+from shared.checks import align_up, require_int
 from shared.safetensors_index import StoreError, TensorEntry, numpy_dtype, scan_checkpoint
 from shared.segments import ExpertIOSegment, ExpertResidencyLocation
 
@@ -66,10 +66,6 @@ def slot_view(buffer, tensor: SlotTensor) -> np.ndarray:
     count = math.prod(tensor.shape)
     array = np.frombuffer(buffer, numpy_dtype(tensor.dtype), count=count, offset=tensor.offset)
     return array.reshape(tensor.shape)
-
-
-def _align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +112,7 @@ def _plan_expert(
             spec = specs[index]
             at = destination + offset - start
             layout.append(SlotTensor(spec.name, spec.dtype, spec.shape, at, spec.nbytes))
-        cursor = _align_up(destination + length, block)  # end of this read's window
+        cursor = align_up(destination + length, block)  # end of this read's window
     return _ExpertPlan(
         location=ExpertResidencyLocation(layer, expert, tuple(segments)),
         layout=tuple(layout),
@@ -159,7 +155,7 @@ class ExpertStore:
             for layer in self.sparse_layers
             for expert in range(self.experts_per_layer)
         )
-        self.slot_bytes = _align_up(widest, SLOT_ALIGNMENT)
+        self.slot_bytes = align_up(widest, SLOT_ALIGNMENT)
 
     @classmethod
     def open(cls, model_dir: str | os.PathLike[str], *, block_size: int = 4096) -> ExpertStore:

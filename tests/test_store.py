@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from shared.checkpoint import ExpertTensorSpec
+from shared.checks import align_up
 from shared.safetensors_index import StoreError, mlx_dtype, numpy_dtype
-from shared.store import SLOT_ALIGNMENT, ExpertStore, SlotTensor, _align_up, _plan_expert, slot_view
+from shared.store import SLOT_ALIGNMENT, ExpertStore, SlotTensor, _plan_expert, slot_view
 from tests.helpers.models import write_tiny_model
 
 # (family, quantized, layout): every combination mlx-lm itself can load.
@@ -590,7 +591,7 @@ def test_plan_rules_hold_for_arbitrary_offsets(sizes, gaps, files, start, block_
     for segment in segments:
         assert segment.destination % block == segment.offset % block
         residue = segment.offset % block
-        windows.append((segment.destination - residue, _align_up(segment.destination + segment.length, block)))
+        windows.append((segment.destination - residue, align_up(segment.destination + segment.length, block)))
     assert plan.extent == max(end for _, end in windows)
     for index, (begin, end) in enumerate(windows):
         for other, segment in enumerate(segments):
