@@ -88,6 +88,7 @@ class PrefetchTelemetry:
     disabled_layers: tuple[int, ...] = ()  # layers whose prefetch stopped itself (so far in the run)
     steps_without: int = 0  # decode steps auto ran without prefetch (its trial's, predicted; a pause's)
     paused: bool = False  # auto's step timing had found decode faster without prefetch (at the period's end)
+    trialling: bool = False  # auto's step timing was still deciding at the period's end (its steps predict)
 
     @property
     def precision(self) -> float:
@@ -104,12 +105,15 @@ class PrefetchTelemetry:
         return self.useful / avoided if avoided else 0.0
 
     def __add__(self, other: PrefetchTelemetry) -> PrefetchTelemetry:
-        """Two periods' counts together (the later one's disabled layers and pause)."""
+        """Two periods' counts together (the later one's disabled layers, pause and trial)."""
         summed = {name: getattr(self, name) + getattr(other, name) for name in _COUNTED}
-        return PrefetchTelemetry(**summed, disabled_layers=other.disabled_layers, paused=other.paused)
+        return PrefetchTelemetry(
+            **summed, disabled_layers=other.disabled_layers, paused=other.paused, trialling=other.trialling
+        )
 
 
-_COUNTED = tuple(f.name for f in fields(PrefetchTelemetry) if f.name not in ("disabled_layers", "paused"))
+_STATES = ("disabled_layers", "paused", "trialling")  # the period's end, not summed
+_COUNTED = tuple(f.name for f in fields(PrefetchTelemetry) if f.name not in _STATES)
 
 
 @dataclass(slots=True)
@@ -196,6 +200,7 @@ class PrefetchBook:
             disabled_layers=tuple(sorted(self._disabled)),
             steps_without=self._drain_steps_without(),
             paused=self.mode == "auto" and self.trial.state == "off",
+            trialling=self.mode == "auto" and self.trial.deciding,
         )
 
     def _drain_steps_without(self) -> int:

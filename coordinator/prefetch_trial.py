@@ -68,6 +68,7 @@ class StepTrial:
     _started: float | None = None  # when the decode step in progress started (None: none is)
     _predicted: bool = False  # the step in progress carried a prediction
     _held: int = 0  # decode steps since the verdict
+    _trial_predicted: bool = False  # a step of the trial in progress carried a prediction
 
     def __post_init__(self) -> None:
         if self.epoch_steps < 2 or self.trial_epochs < 1 or self.recheck_steps < 1 or self.early_epochs < 1:
@@ -82,9 +83,16 @@ class StepTrial:
         the slab is still cold, and a later one on what a pause left resident."""
         return -1 - self.epoch_steps
 
+    @property
+    def deciding(self) -> bool:
+        """A trial is under way on steps that predict: its verdict is still to come. (A system whose
+        steps never predict, every expert resident, stays in `trial` without ever deciding.)"""
+        return self.state == "trial" and self._trial_predicted
+
     def saw_prediction(self) -> None:
         """The step in progress carried a prediction."""
         self._predicted = True
+        self._trial_predicted = self._trial_predicted or self.state == "trial"
 
     def job_starts(self) -> bool:
         """A job is about to start: whether its decode steps are to predict (not while paused).
@@ -175,6 +183,7 @@ class StepTrial:
 
     def _retry(self) -> None:
         self.state, self.prefetching = "trial", True
+        self._trial_predicted = False
         self._epochs.clear()
         self._epoch.clear()
         self._index = self._warmup_index()

@@ -146,6 +146,7 @@ def prefetch_fields(prefetch: PrefetchTelemetry, demand_misses: int) -> dict[str
         prefetch_disabled_layers=len(prefetch.disabled_layers),
         prefetch_steps_without=prefetch.steps_without,
         prefetch_paused=prefetch.paused,
+        prefetch_trialling=prefetch.trialling,
     )
 
 

@@ -209,7 +209,8 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
                 f"{prefetch['wasted_per_token']:.2f} wasted; demand waited on {prefetch['waits_per_token']:.2f} "
                 f"in flight ({prefetch['wait_ms_per_token']:.1f} ms); layers stopped {prefetch['disabled_layers']}; "
                 f"decode steps without it (auto's timing) {prefetch.get('steps_without', 0)}, jobs ending paused "
-                f"{prefetch.get('paused_jobs', 0)}"
+                f"{prefetch.get('paused_jobs', 0)}, on trial {prefetch.get('trialling_jobs', 0)} "
+                f"(after {s.get('warmup_jobs', 1)} warm-up job(s))"
             )
         lines.append(
             f"  hit rate {s['hit_rate']:.3f}, misses per job {s['misses_per_job']}, "

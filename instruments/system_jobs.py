@@ -149,6 +149,7 @@ class System:
             "budget_bytes": plan.budget_bytes,
             "slab_bytes": plan.slab_bytes,
             "startup_s": self.startup_s,
+            "warmup_jobs": len(self.jobs) - len(measured),
             "children_peak_rss_bytes": self.rss,
             "tokens_match": all(job["tokens_match"] for job in self.jobs),
             "decode_tok_s": median([job["decode_tok_s"] for job in measured]),
@@ -200,4 +201,5 @@ def _prefetch_summary(mode: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
         "disabled_layers": max(job["prefetch"]["disabled_layers"] for job in jobs),
         "steps_without": sum(job["prefetch"]["steps_without"] for job in jobs),
         "paused_jobs": sum(bool(job["prefetch"]["paused"]) for job in jobs),
+        "trialling_jobs": sum(bool(job["prefetch"]["trialling"]) for job in jobs),  # auto had no verdict yet
     }

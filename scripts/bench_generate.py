@@ -15,7 +15,8 @@ What is measured (default order: interleaved):
   of the same prompt loads every expert the measured jobs route to, so they
   decode from hits only (the report shows their misses: 0).
 - **streaming**: slots_per_layer = experts x `--resident-fraction` (0.25);
-  a warm-up job reaches the steady state, then the measured jobs.
+  warm-up jobs reach the steady state (with auto prefetch, until its first
+  trial has a verdict, at most MAX_WARMUP_JOBS), then the measured jobs.
 - **disk**: `--disk-experts` random experts of the checkpoint read with the
   native O_DIRECT reader (`native.ReadPool`, the I/O workers' reader) in
   batches the size of a decode layer visit's misses (measured in the
@@ -79,6 +80,8 @@ from instruments.system_jobs import System
 from shared.config import COPY_AHEAD_MODES, LEASE_PATHS, check_compute_lanes
 from shared.scheduling import HELPER_SCHEDULING
 from shared.store import ExpertStore
+
+MAX_WARMUP_JOBS = 4  # auto prefetch's first trial takes 40-72 decode steps (prefetch_trial.py)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -233,17 +236,24 @@ class Bench:
         )
         self.systems[part] = system
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the
-        # measured jobs then run from hits only); the streaming one reaches its steady state.
+        # measured jobs then run from hits only); the streaming one reaches its steady state, which
+        # includes auto prefetch's first verdict: its trial runs epochs of decode steps without
+        # prefetch (coordinator/prefetch_trial.py), once per 512 steps, and a measured round that
+        # held them would weigh that start-up cost sixteen times.
         try:
-            job = system.job(self.prompt, self.args.tokens, expected=self.expected, warmup=True, **self.sample)
+            for _ in range(MAX_WARMUP_JOBS):
+                job = system.job(self.prompt, self.args.tokens, expected=self.expected, warmup=True, **self.sample)
+                self.say(f"{part}: warm-up job {job['decode_tok_s']:.3f} tok/s, {job['misses']} misses")
+                if not job["prefetch"].get("trialling"):
+                    break
         except BaseException:  # the caller never gets the system to stop (e.g. SIGTERM in the warm-up)
             del self.systems[part]
             system.stop()
             raise
         self.say(
             f"{part}: started in {system.startup_s:.1f} s ({system.system.plan.slots_per_layer} of "
-            f"{store.experts_per_layer} experts per layer resident); warm-up job {job['decode_tok_s']:.3f} "
-            f"tok/s, {job['misses']} misses"
+            f"{store.experts_per_layer} experts per layer resident); {len(system.jobs)} warm-up job(s)"
+            + ("; auto prefetch still on trial" if job["prefetch"].get("trialling") else "")
         )
         return system
 

@@ -99,6 +99,8 @@ def format_stats(done: Done) -> str:
         )
     if stats.prefetch_paused:
         parts.append("prefetch paused (auto: decode steps were faster without it)")
+    elif stats.prefetch_trialling:
+        parts.append("prefetch on trial (auto: timing decode steps with it and without)")
     parts += [
         f"footprint {_mib(stats.footprint_bytes)} (peak {_mib(stats.peak_footprint_bytes)})"
         f" / budget {_mib(stats.budget_bytes)}: processes {_mib(stats.processes_bytes)}"

@@ -154,6 +154,7 @@ class JobStats:
     prefetch_disabled_layers: int = 0  # layers whose prefetch stopped itself (auto)
     prefetch_steps_without: int = 0  # decode steps auto ran without prefetch (its timing trial, or a pause)
     prefetch_paused: bool = False  # auto found decode faster without prefetch (coordinator/prefetch_trial.py)
+    prefetch_trialling: bool = False  # auto was still timing decode steps with prefetch and without
     active_sequences: int = 0  # jobs decoding together now (cumulative stats; a job's: the most it shared with)
 
 

@@ -89,15 +89,23 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         assert (0.4 if part is resident else 0) < part["copy_ahead_visit_fraction"] <= 0.5
         assert 0 < part["copy_ahead_found_fraction"] <= 1 and 0 < part["copy_ahead_precision"] <= 1
         assert set(part["per_layer"]) == {"0", "1"}
-        assert part["jobs"][0]["warmup"] and not part["jobs"][1]["warmup"]
+        warmups = part["warmup_jobs"]
+        assert [job["warmup"] for job in part["jobs"]] == [True] * warmups + [False]
+        # A warm-up job follows another only while auto prefetch's trial has no verdict.
+        assert all(job["prefetch"]["trialling"] for job in part["jobs"][: warmups - 1])
         cpu, decode = part["cpu_ms_per_token"], part["decode_cpu_ms_per_token"]
         assert set(cpu) == set(decode) == {"gpu_worker", "coordinator", "io_workers"} and decode["gpu_worker"] > 0
         assert all(value >= 0 for value in [*cpu.values(), *decode.values()])
-        job = part["jobs"][1]  # decode alone leaves the prefill out: less CPU than the whole job's share
+        job = part["jobs"][-1]  # decode alone leaves the prefill out: less CPU than the whole job's share
         assert (
             job["decode_cpu_ms_per_token"]["gpu_worker"] * (job["generated"] - 1)
             < job["cpu_ms_per_token"]["gpu_worker"] * job["generated"]
         )
+    # Every expert resident: nothing is predicted, so there is no trial to wait for. Streaming's
+    # trial needs 40+ decode steps, far more than jobs of 6 tokens hold: the warm-up stops at
+    # bench_generate's MAX_WARMUP_JOBS (4) and the measured job is still on trial.
+    assert resident["warmup_jobs"] == 1 and not resident["jobs"][0]["prefetch"]["trialling"]
+    assert streaming["warmup_jobs"] == 4 and streaming["prefetch"]["trialling_jobs"] == 1
     assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0
     # Every expert resident: the decode visits lease through the lease words, no round trip.
     assert resident["shared_visit_fraction"] > 0.9

@@ -418,6 +418,9 @@ def test_the_summary_line_says_what_prefetch_read_and_where_auto_stopped_it():
         assert ("stopped" in line) is bool(stopped)
     paused = cli_send.format_stats(Done(id="a", tokens=(1,), stats=dataclasses.replace(STATS, prefetch_paused=True)))
     assert "prefetch paused (auto: decode steps were faster without it)" in paused
+    trial = cli_send.format_stats(Done(id="a", tokens=(1,), stats=dataclasses.replace(STATS, prefetch_trialling=True)))
+    assert "prefetch on trial (auto: timing decode steps with it and without)" in trial
+    assert "on trial" not in cli_send.format_stats(Done(id="a", tokens=(1,), stats=STATS))
 
 
 @pytest.mark.parametrize(

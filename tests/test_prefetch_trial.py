@@ -48,6 +48,25 @@ def test_a_trial_alternates_epochs_then_keeps_prefetch_when_steps_are_faster_wit
     assert "prefetch kept: decode steps took 10.0 ms with it and 20.0 ms without" in caplog.text
 
 
+def test_a_trial_is_deciding_from_its_first_predicted_step_until_its_verdict():
+    """`deciding` (the telemetry's `trialling`): a trial whose steps predict and has no verdict yet.
+    Steps that never predict (every expert resident) leave a trial that never decides."""
+    trial = small()
+    _, now = drive(trial, 12, with_ms=10, without_ms=20, predict=False)
+    assert trial.state == "trial" and not trial.deciding
+    deciding = []
+    for _ in range(30):  # the verdict comes at the 17th step, the next trial after 20 more
+        _, now = drive(trial, 1, with_ms=10, without_ms=20, now=now)
+        deciding.append(trial.deciding)
+    assert deciding[0] and trial.state == "on"  # it started deciding at once, and reached its verdict
+    verdict = deciding.index(False)
+    assert all(deciding[:verdict]) and not any(deciding[verdict:])
+    _, now = drive(trial, 20, with_ms=10, without_ms=20, now=now, predict=False)  # the verdict's time is up
+    assert trial.state == "trial" and not trial.deciding  # a new trial, not deciding until a step predicts
+    drive(trial, 1, with_ms=10, without_ms=20, now=now)
+    assert trial.deciding
+
+
 def test_prefetch_is_paused_when_steps_are_faster_without_it_and_tried_again_later(caplog):
     caplog.set_level("INFO", logger="coordinator.prefetch_trial")
     trial = small()
@@ -247,6 +266,21 @@ def test_a_stopped_layers_predictions_do_not_make_a_step_count():
     assert book.trial.state == "off"
 
 
+def test_the_books_telemetry_says_whether_auto_is_still_deciding():
+    book = PrefetchBook(mode="auto", trial=small())
+    assert not book.drain().trialling  # nothing predicted yet
+    now = 0.0
+    trialling = []
+    for _ in range(30):
+        book.decode_step(now)
+        book.predicted(2, 1)
+        now += 0.010 if book.trial.prefetching else 0.030
+        trialling.append(book.drain().trialling)
+    verdict = trialling.index(False)
+    assert verdict > 0 and all(trialling[:verdict]) and not any(trialling[verdict:])
+    assert book.trial.state == "on"
+
+
 def test_on_and_off_take_no_trial():
     for mode, enabled in (("on", True), ("off", False)):
         book = PrefetchBook(mode=mode, trial=small())
@@ -254,13 +288,16 @@ def test_on_and_off_take_no_trial():
             book.decode_step(step * 0.05)
             book.predicted(2, 1)
         assert book.enabled(1) is enabled and book.job_starts() is enabled
-        assert not book.drain().paused and book.trial.state == "trial"
+        telemetry = book.drain()
+        assert not telemetry.paused and not telemetry.trialling and book.trial.state == "trial"
 
 
 def test_periods_add_steps_without_and_keep_the_later_pause():
     early, late = PrefetchTelemetry(steps_without=3, paused=True), PrefetchTelemetry(steps_without=4)
     assert (early + late).steps_without == 7 and not (early + late).paused
     assert (late + early).paused
+    deciding = PrefetchTelemetry(trialling=True)
+    assert (early + deciding).trialling and not (deciding + early).trialling
 
 
 class _Host:

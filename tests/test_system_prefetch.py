@@ -79,14 +79,14 @@ def test_auto_predicts_nothing_when_every_expert_is_resident(tmp_path, caplog):
     with start_test_system(path, budget="all_resident") as system:  # prefetch: auto, the default
         result = run_job(system, max_tokens=GENERATED, return_logprobs=False)
     assert result.tokens == want.tokens[: len(result.tokens)]
-    assert result.done.stats.prefetch_predicted == 0
+    assert result.done.stats.prefetch_predicted == 0 and not result.done.stats.prefetch_trialling
     assert "prefetch off: every expert of every layer fits its layer's slots" in caplog.text
 
 
 def test_auto_times_its_decode_steps_without_prefetch_in_alternate_epochs(tmp_path):
     """auto's trial (coordinator/prefetch_trial.py), after a warm-up epoch of 8 decode steps, runs
     the first epoch with prefetch and the next without: the job's stats count those steps, no
-    verdict has paused prefetch yet, the tokens stay mlx-lm's."""
+    verdict has been reached yet (the stats say it is still on trial), the tokens stay mlx-lm's."""
     from coordinator.prefetch_trial import EPOCH_STEPS
 
     path = write_tiny_model(tmp_path / "m", family=FAMILIES[0])
@@ -97,5 +97,5 @@ def test_auto_times_its_decode_steps_without_prefetch_in_alternate_epochs(tmp_pa
         result = run_job(system, max_tokens=tokens, return_logprobs=False)
     assert result.tokens == want.tokens[:tokens] and len(result.tokens) == tokens
     stats = result.done.stats
-    assert stats.prefetch_steps_without == EPOCH_STEPS and not stats.prefetch_paused
+    assert stats.prefetch_steps_without == EPOCH_STEPS and not stats.prefetch_paused and stats.prefetch_trialling
     assert stats.prefetch_predicted > 0
