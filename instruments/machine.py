@@ -6,8 +6,9 @@ available, shared memory included) is what shows the whole system's footprint ne
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import psutil
 
@@ -80,3 +81,35 @@ def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: 
 def total_memory() -> int:
     """The machine's physical memory in bytes."""
     return int(psutil.virtual_memory().total)
+
+
+def split_cpus() -> tuple[list[int], list[int]]:
+    """(GPU worker's CPUs, helpers' CPUs): the last CPU this process may run on for the helpers,
+    the others for the GPU worker. ValueError naming what is missing (no affinity call, one CPU)."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("pinning needs sched_setaffinity (Linux); this platform has none")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError(f"pinning needs at least 2 CPUs to split, this process may run on {cpus}")
+    return cpus[:-1], cpus[-1:]
+
+
+def pin_processes(
+    pids: Mapping[str, int], *, gpu_worker: Sequence[int], helpers: Sequence[int]
+) -> dict[str, list[int]]:
+    """Every thread of the GPU worker on `gpu_worker`'s CPUs, every other process's on `helpers`'.
+
+    Threads started later inherit their creator's CPUs. Returns each process's CPUs as read back
+    from its threads (their union), so that a report says what held, not what was asked."""
+    applied: dict[str, list[int]] = {}
+    for name, pid in pids.items():
+        cpus = set(gpu_worker if name == "GPU worker" else helpers)
+        held: set[int] = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+                held |= os.sched_getaffinity(int(tid))
+            except ProcessLookupError:  # the thread ended since it was listed
+                continue
+        applied[name] = sorted(held)
+    return applied

@@ -71,6 +71,7 @@ class System:
         self.startup_s = time.perf_counter() - started
         self.jobs: list[dict[str, Any]] = []
         self.rss = 0
+        self.pinning: dict[str, list[int]] | None = None  # each process's CPUs, when the bench pinned them
 
     def stop(self) -> None:
         self.system.stop()
@@ -150,6 +151,7 @@ class System:
             "slab_bytes": plan.slab_bytes,
             "startup_s": self.startup_s,
             "warmup_jobs": len(self.jobs) - len(measured),
+            "pinning": self.pinning,
             "children_peak_rss_bytes": self.rss,
             "tokens_match": all(job["tokens_match"] for job in self.jobs),
             "decode_tok_s": median([job["decode_tok_s"] for job in measured]),

@@ -74,7 +74,7 @@ from instruments.bench_report import build_report, model_facts, model_line, repo
 from instruments.disk import disk_bandwidth, resolve_io_mode
 from instruments.figures import median
 from instruments.lease_telemetry import TelemetryLog
-from instruments.machine import MemoryWatch, total_memory
+from instruments.machine import MemoryWatch, pin_processes, split_cpus, total_memory
 from instruments.mlx_reference import MlxLm, prompt_tokens, until_eos
 from instruments.system_jobs import System
 from shared.config import COPY_AHEAD_MODES, LEASE_PATHS, check_compute_lanes
@@ -140,6 +140,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the coordinator's and I/O workers' Linux scheduling class (shared/scheduling.py)",
     )
     run.add_argument(
+        "--pin-helpers",
+        action="store_true",
+        help="an experiment (Linux): every thread of the coordinator and the I/O workers on this "
+        "process's last CPU, the GPU worker's on the others, so the helpers never take the "
+        "computation's cores (with 2 CPUs, add --compute-lanes 1)",
+    )
+    run.add_argument(
         "--max-sequences",
         type=int,
         default=None,
@@ -182,6 +189,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             check_compute_lanes(args.compute_lanes, name="--compute-lanes")
         except ValueError as error:
             parser.error(str(error))
+    if args.pin_helpers:
+        try:
+            args.cpus = split_cpus()  # (GPU worker's, helpers')
+        except ValueError as error:
+            parser.error(f"--pin-helpers: {error}")
     unknown = {p.strip() for p in args.skip.split(",") if p.strip()} - {"resident", "streaming"}
     if unknown:
         parser.error(f"--skip: unknown parts {sorted(unknown)}")
@@ -241,6 +253,10 @@ class Bench:
         # prefetch (coordinator/prefetch_trial.py), once per 512 steps, and a measured round that
         # held them would weigh that start-up cost sixteen times.
         try:
+            if self.args.pin_helpers:
+                gpu_worker, helpers = self.args.cpus
+                system.pinning = pin_processes(system.system.pids, gpu_worker=gpu_worker, helpers=helpers)
+                self.say(f"{part}: pinned {system.pinning}")
             for _ in range(MAX_WARMUP_JOBS):
                 job = system.job(self.prompt, self.args.tokens, expected=self.expected, warmup=True, **self.sample)
                 self.say(f"{part}: warm-up job {job['decode_tok_s']:.3f} tok/s, {job['misses']} misses")

@@ -54,9 +54,14 @@ def _command(cache, *extra: str) -> list[str]:
     ]
 
 
+CPUS = sorted(os.sched_getaffinity(0))
+
+
 @pytest.mark.parametrize("order", ["interleaved", "sequential"])
 def test_bench_generate_reports_both_comparisons(cache, order):
-    command = _command(cache, *(["--sequential"] if order == "sequential" else []))
+    # The sequential run also pins the helpers away from the GPU worker (where there are 2 CPUs).
+    pin = order == "sequential" and len(CPUS) >= 2
+    command = _command(cache, *(["--sequential"] if order == "sequential" else []), *(["--pin-helpers"] if pin else []))
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -105,6 +110,9 @@ def test_bench_generate_reports_both_comparisons(cache, order):
     # trial needs 40+ decode steps, far more than jobs of 6 tokens hold: the warm-up stops at
     # bench_generate's MAX_WARMUP_JOBS (4) and the measured job is still on trial.
     assert resident["warmup_jobs"] == 1 and not resident["jobs"][0]["prefetch"]["trialling"]
+    for part in (resident, streaming):  # what the threads' affinity held, read back
+        want = {"GPU worker": CPUS[:-1], "coordinator": CPUS[-1:], "I/O worker 0": CPUS[-1:], "I/O worker 1": CPUS[-1:]}
+        assert part["pinning"] == (want if pin else None)
     assert streaming["warmup_jobs"] == 4 and streaming["prefetch"]["trialling_jobs"] == 1
     assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0
     # Every expert resident: the decode visits lease through the lease words, no round trip.
@@ -128,6 +136,21 @@ def test_bench_generate_reports_both_comparisons(cache, order):
     assert report["memory"]["machine_peak_used_bytes"] > 0
     text = "\n".join(report_lines(report))  # what the script prints without --json
     assert text.count("(the whole job, prefill included): GPU worker") == 2 and "prefetch (auto)" in text
+
+
+def test_pinning_refuses_a_single_cpu(cache):
+    result = subprocess.run(
+        _command(cache, "--pin-helpers"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        preexec_fn=lambda: os.sched_setaffinity(0, CPUS[:1]),
+    )
+    assert result.returncode == 2
+    assert (
+        f"--pin-helpers: pinning needs at least 2 CPUs to split, this process may run on [{CPUS[0]}]" in result.stderr
+    )
 
 
 def _slabs() -> set[str]:
