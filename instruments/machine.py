@@ -87,7 +87,7 @@ def split_cpus() -> tuple[list[int], list[int]]:
     """(GPU worker's CPUs, helpers' CPUs): the last CPU this process may run on for the helpers,
     the others for the GPU worker. ValueError naming what is missing (no affinity call, one CPU)."""
     if not hasattr(os, "sched_getaffinity"):
-        raise ValueError("pinning needs sched_setaffinity (Linux); this platform has none")
+        raise ValueError("pinning needs sched_getaffinity and sched_setaffinity (Linux); this platform has neither")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise ValueError(f"pinning needs at least 2 CPUs to split, this process may run on {cpus}")

@@ -250,8 +250,8 @@ class Bench:
         # Warm-up: the resident system loads every expert the prompt's tokens route to (the
         # measured jobs then run from hits only); the streaming one reaches its steady state, which
         # includes auto prefetch's first verdict: its trial runs epochs of decode steps without
-        # prefetch (coordinator/prefetch_trial.py), once per 512 steps, and a measured round that
-        # held them would weigh that start-up cost sixteen times.
+        # prefetch (coordinator/prefetch_trial.py) once per 512 decode steps, and a measured round of
+        # 32 tokens that held them would count that cost sixteen times over.
         try:
             if self.args.pin_helpers:
                 gpu_worker, helpers = self.args.cpus
