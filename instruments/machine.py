@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import psutil
 
+from shared.scheduling import process_threads
+
 
 class MemoryWatch:
     """Samples the machine's used memory (shared memory included) every `interval` s; keeps the peak."""
@@ -105,10 +107,10 @@ def pin_processes(
     for name, pid in pids.items():
         cpus = set(gpu_worker if name == "GPU worker" else helpers)
         held: set[int] = set()
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        for thread in process_threads(pid):
             try:
-                os.sched_setaffinity(int(tid), cpus)
-                held |= os.sched_getaffinity(int(tid))
+                os.sched_setaffinity(thread, cpus)
+                held |= os.sched_getaffinity(thread)
             except ProcessLookupError:  # the thread ended since it was listed
                 continue
         applied[name] = sorted(held)

@@ -260,7 +260,7 @@ class Bench:
             for _ in range(MAX_WARMUP_JOBS):
                 job = system.job(self.prompt, self.args.tokens, expected=self.expected, warmup=True, **self.sample)
                 self.say(f"{part}: warm-up job {job['decode_tok_s']:.3f} tok/s, {job['misses']} misses")
-                if not job["prefetch"].get("trialling"):
+                if not job["prefetch"]["trialling"]:
                     break
         except BaseException:  # the caller never gets the system to stop (e.g. SIGTERM in the warm-up)
             del self.systems[part]
@@ -269,7 +269,7 @@ class Bench:
         self.say(
             f"{part}: started in {system.startup_s:.1f} s ({system.system.plan.slots_per_layer} of "
             f"{store.experts_per_layer} experts per layer resident); {len(system.jobs)} warm-up job(s)"
-            + ("; auto prefetch still on trial" if job["prefetch"].get("trialling") else "")
+            + ("; auto prefetch still on trial" if job["prefetch"]["trialling"] else "")
         )
         return system
 

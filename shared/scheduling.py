@@ -46,7 +46,7 @@ def enter_helper_scheduling(requested: str) -> str:
     else:
         moved: list[int] = []
         try:
-            for thread in _threads():
+            for thread in process_threads():
                 try:
                     os.sched_setscheduler(thread, batch, os.sched_param(0))
                 except ProcessLookupError:  # the thread ended since it was listed
@@ -68,12 +68,15 @@ def _restore(threads: list[int]) -> None:
             pass
 
 
-def _threads() -> list[int]:
-    """This process's thread ids (0, the calling thread, where /proc cannot list them)."""
+def process_threads(pid: int | None = None) -> list[int]:
+    """The thread ids of `pid` (None: this process; then 0, the calling thread, where /proc cannot
+    list them). Any of them may end before the caller acts on it (ProcessLookupError)."""
     try:
-        return [int(tid) for tid in os.listdir("/proc/self/task")]
+        return [int(tid) for tid in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
     except OSError:
-        return [0]
+        if pid is None:
+            return [0]
+        raise
 
 
-__all__ = ["HELPER_SCHEDULING", "enter_helper_scheduling"]
+__all__ = ["HELPER_SCHEDULING", "enter_helper_scheduling", "process_threads"]

@@ -72,7 +72,7 @@ def test_a_refused_class_keeps_the_default_for_every_thread_and_says_why(monkeyp
         if policy == os.SCHED_BATCH and len(calls) > 2:
             raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(scheduling, "_threads", lambda: [11, 12, 13])
+    monkeypatch.setattr(scheduling, "process_threads", lambda: [11, 12, 13])
     monkeypatch.setattr(os, "sched_setscheduler", refuse_the_second)
     with caplog.at_level(logging.WARNING, logger="shared.scheduling"):
         outcome = enter_helper_scheduling("batch")
