@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq.asyncio
@@ -62,6 +62,7 @@ class _Load:
     submitted: float
     parked_until: float | None = None  # waiting for any live worker (worker is then -1)
     orphaned: bool = False  # its worker was lost after it was sent
+    avoid: set[int] = field(default_factory=set)  # live workers a send of it could not reach
     completion: LoadCompletion | None = None
     error: ExpertLoadError | None = None
 
@@ -98,7 +99,13 @@ class IOWorkerBackend:
         self._slab = slab
         self._grace = float(replacement_grace_s)
         self._files = files
-        events = SessionEvents(loaded=self._loaded, ready=self._worker_ready, lost=self._orphaned, tick=self._expire)
+        events = SessionEvents(
+            loaded=self._loaded,
+            ready=self._worker_ready,
+            lost=self._orphaned,
+            tick=self._expire,
+            undelivered=self._undelivered,
+        )
         self._sessions = IOWorkerSessions(
             context=context or zmq.asyncio.Context.instance(),
             endpoint=endpoint,
@@ -284,31 +291,42 @@ class IOWorkerBackend:
         return record
 
     def _place(self, slot: int, load: _Load) -> None:
-        """Send `load` to the least busy reachable worker, or park it; BackendStateError if neither.
+        """Queue `load` for the least busy live worker it has not failed to reach (sent with the
+        others of this turn of the event loop), or park it; BackendStateError if neither."""
+        worker = self._sessions.least_busy(load.avoid)
+        if worker is None:  # a load parked before keeps its first deadline
+            if not (self._grace > 0 and self._sessions.started):  # no restarted worker will take it
+                raise BackendStateError("no I/O worker is ready")
+            load.worker = -1
+            load.avoid.clear()  # a restarted worker takes the index of a lost one
+            load.parked_until = load.parked_until or time.monotonic() + self._grace
+            self._parked[slot] = load
+            return
+        self._sessions.queue(worker, Load(slot=slot, generation=load.generation, segments=load.segments))
+        load.worker, load.parked_until = worker.index, None
+        self._sessions.owe(worker, slot, load.generation, sum(seg.length for seg in load.segments))
 
-        A worker can die between the watchdog's looks: its send fails (host unreachable). Dead,
-        it is lost now (its loads move on); alive (a broken connection), only this load avoids
-        it: a live worker's loads are never sent twice, so no slot gets two writers."""
-        excluded: set[int] = set()
-        while True:
-            worker = self._sessions.least_busy(excluded)
-            if worker is None:  # a load parked before keeps its first deadline
-                if not (self._grace > 0 and self._sessions.started):  # no restarted worker will take it
-                    raise BackendStateError("no I/O worker is ready")
-                load.worker = -1
-                load.parked_until = load.parked_until or time.monotonic() + self._grace
-                self._parked[slot] = load
-                return
-            error = self._sessions.try_send(worker, Load(slot=slot, generation=load.generation, segments=load.segments))
-            if error is None:
-                load.worker, load.parked_until = worker.index, None
-                self._sessions.owe(worker, slot, load.generation, sum(seg.length for seg in load.segments))
-                return
-            logger.warning("I/O worker %d (pid %d) unreachable: %s", worker.index, worker.pid, error)
-            if running(worker.process):
-                excluded.add(worker.index)
-            else:
-                self.worker_lost(worker.index, f"pid {worker.pid} exited (unreachable: {error})")
+    def _undelivered(self, worker: WorkerSession, messages: list[object], error: BaseException) -> None:
+        """Queued commands a send could not deliver: a worker can die between the watchdog's looks
+        (host unreachable). Dead, it is lost now (its loads move on); alive (a broken connection),
+        only these loads avoid it: a live worker's loads are never sent twice, so no slot gets two
+        writers. A cancel that did not go is moot: its load was not sent either, or completes."""
+        logger.warning("I/O worker %d (pid %d) unreachable: %s", worker.index, worker.pid, error)
+        if not running(worker.process):
+            self.worker_lost(worker.index, f"pid {worker.pid} exited (unreachable: {error})")
+            return
+        for message in messages:
+            owed = isinstance(message, Load) and worker.outstanding.pop((message.slot, message.generation), None)
+            if not owed:
+                continue
+            load = self._records[message.slot].load
+            if load is None or load.generation != message.generation or load.worker != worker.index:
+                continue
+            load.avoid.add(worker.index)
+            try:
+                self._place(message.slot, load)
+            except BackendStateError as failure:
+                self._fail(message.slot, load, f"I/O worker {worker.index} unreachable ({error}): {failure}", code=LOST)
 
     def _dispatch_parked(self) -> None:
         """A worker became ready: hand it (and any other live one) the loads that waited."""

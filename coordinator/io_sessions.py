@@ -1,14 +1,13 @@
 """The I/O workers as the coordinator knows them: their ROUTER, sessions, liveness and hint queues.
 
-Each worker's DEALER says hello (index and pid), is welcomed and reports
-ready; a hello for an index held by a live worker is refused (two writers of
-the same slots), one for an index whose worker is known dead replaces it. A
-worker that dies is noticed by a pid watchdog (the pid comes with its hello;
-the psutil handle remembers the start time, so a reused pid does not look
-alive) or by `worker_lost()`. What a worker owes is its `outstanding` set of
-(slot, generation) loads: the sessions tell the slot side
-(`coordinator.backend.IOWorkerBackend`) about completions, readiness and
-losses through callbacks and never touch a slot themselves.
+Each worker's DEALER says hello (index and pid), is welcomed and reports ready; a hello for an
+index held by a live worker is refused (two writers of the same slots), one for an index whose
+worker is known dead replaces it. A worker that dies is noticed by a pid watchdog (the pid comes
+with its hello; the psutil handle remembers the start time, so a reused pid does not look alive)
+or by `worker_lost()`. What a worker owes is its `outstanding` set of (slot, generation) loads:
+the sessions tell the slot side (`coordinator.backend.IOWorkerBackend`) about completions,
+readiness, losses and undelivered loads through callbacks and never touch a slot themselves.
+Loads are queued and sent once per turn of the event loop, a worker's in one message.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from coordinator.io_results import BackendStateError, IOWorkerStartError
 from coordinator.liveness import ProgressDeadline, kill_hung
 from coordinator.residency_backend import ExpertIOHintSnapshot
 from shared.io_messages import (
+    MAX_FRAMES,
     WORKER_REPLIES,
     ErrorReply,
     Hello,
@@ -65,6 +65,7 @@ class WorkerSession:
     progress_at: float = 0.0  # its last message, or when it began to owe (coordinator/liveness.py)
     hints_sent: int = 0
     hint_status: HintStatus = field(default_factory=HintStatus)
+    outbox: list[tuple[object, bytes]] = field(default_factory=list)  # queued commands, encoded
     telemetry_waiters: list[asyncio.Future[WorkerTelemetry]] = field(default_factory=list)
 
     def hints_outstanding(self) -> int:
@@ -94,6 +95,8 @@ class SessionEvents:
     ready: Callable[[], None]  # a worker became ready: parked loads can go
     lost: Callable[[int, list[tuple[int, int]], str], None]  # (index, the loads it owed, reason)
     tick: Callable[[], None]  # every watchdog interval
+    # (worker, queued commands a send could not deliver, the send's error): nothing of them left
+    undelivered: Callable[[WorkerSession, list[object], BaseException], None]
 
 
 class IOWorkerSessions:
@@ -110,6 +113,7 @@ class IOWorkerSessions:
         deadline: ProgressDeadline | None = None,
     ) -> None:
         self._sock = open_socket(context, zmq.ROUTER, bind=endpoint)
+        self._flush_scheduled = False
         self.endpoint: str = bound_endpoint(self._sock)
         self.expected = workers
         self._hint_capacity = hint_capacity
@@ -185,13 +189,43 @@ class IOWorkerSessions:
         self._next += 1
         return min(live, key=lambda w: (len(w.outstanding), (w.index - self._next) % len(self.workers)))
 
-    def try_send(self, worker: WorkerSession, message: object) -> BaseException | None:
-        """Send without blocking; the error (e.g. host unreachable: the peer is gone) or None."""
+    def queue(self, worker: WorkerSession, message: object) -> None:
+        """Send `message` with the rest queued for `worker` after this turn of the event loop (a
+        prefetch wave's loads: one message); what a failed send leaves goes to `undelivered`."""
         if self.closed:
             raise BackendStateError("the I/O backend is closed")
-        frames = [worker.identity, encode(message)]  # type: ignore[arg-type]
-        sent = self._sock.send_multipart(frames, flags=zmq.DONTWAIT)
-        return sent.exception()  # DONTWAIT resolves at once
+        worker.outbox.append((message, encode(message)))  # type: ignore[arg-type]
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send every worker's queued commands now."""
+        self._flush_scheduled = False
+        for worker in [w for w in self.workers.values() if w.outbox and not self.closed]:
+            self._deliver(worker, [])
+
+    def try_send(self, worker: WorkerSession, message: object) -> BaseException | None:
+        """Send without blocking, after (and with) what is queued for `worker`; the error (e.g. host
+        unreachable: the peer is gone) or None."""
+        return self._deliver(worker, [encode(message)])  # type: ignore[arg-type]
+
+    def _deliver(self, worker: WorkerSession, frames: list[bytes]) -> BaseException | None:
+        if self.closed:
+            raise BackendStateError("the I/O backend is closed")
+        queued, worker.outbox = worker.outbox, []
+        payload = [frame for _, frame in queued] + frames
+        error: BaseException | None = None
+        for start in range(0, len(payload), MAX_FRAMES):
+            # DONTWAIT resolves at once; the asyncio socket re-reads its events after a send (edge-triggered)
+            sent = self._sock.send_multipart([worker.identity, *payload[start : start + MAX_FRAMES]], zmq.DONTWAIT)
+            error = sent.exception()
+            if error is not None:
+                break
+        if error is not None and queued:
+            # ZeroMQ takes a message whole or not at all: the chunks before the failed one were sent.
+            self._events.undelivered(worker, [message for message, _ in queued[min(start, len(queued)) :]], error)
+        return error
 
     def send(self, worker: WorkerSession, message: object, *, required: bool = True) -> bool:
         error = self.try_send(worker, message)
@@ -212,6 +246,7 @@ class IOWorkerSessions:
             logger.info("I/O worker %d (pid %d) exited after shutdown", index, worker.pid)
             return
         worker.lost = True
+        worker.outbox.clear()  # what it would have been sent is in what it owes (orphaned below)
         self.counts["workers_lost"] += 1
         orphans = sorted(worker.outstanding)
         worker.outstanding.clear()
@@ -340,9 +375,13 @@ class IOWorkerSessions:
         logger.warning("bad reply from an I/O worker: " + message, *args)
 
     def _dispatch(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            return self._bad("expected identity + one frame, got %d frames", len(frames))
-        identity, payload = frames
+        if not 2 <= len(frames) <= MAX_FRAMES + 1:
+            return self._bad("expected identity + 1 to %d frames, got %d frames", MAX_FRAMES, len(frames))
+        identity = frames[0]
+        for payload in frames[1:]:
+            self._reply(identity, payload)
+
+    def _reply(self, identity: bytes, payload: bytes) -> None:
         try:
             reply = decode(payload, WORKER_REPLIES)
         except ProtocolError as error:

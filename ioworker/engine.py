@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from native import STATUS_SHORT_READ, BypassFile, ReadPool, StagingStats, advise_willneed
+from native import STATUS_SHORT_READ, AioStats, BypassFile, ReadPool, StagingStats, advise_willneed
 from native.staging import StagingBuffer, StagingChoice, StagingRequest, choose_staging
 from shared.io_messages import HintStatus, Load, Loaded
 from shared.protocol import BAD_REQUEST, INTERNAL
@@ -105,6 +105,12 @@ class LoadEngine:
         self._pool: ReadPool | None = ReadPool(
             threads=queue_depth, staging=self.staging_buffer, stage_above=self.staging.stage_above
         )
+        aio = self._pool.aio_stats()
+        if aio.enabled:
+            logger.info("direct reads: kernel AIO, a load's ranges submitted together from its reader thread")
+        else:
+            logger.warning("direct reads: on the pool's threads, one blocking read per range (%s)", aio.reason)
+        self._last_aio = aio
         buffer = self.staging_buffer
         if buffer is None:
             logger.info("staging off: %s", self.staging.reason)
@@ -161,6 +167,10 @@ class LoadEngine:
         pool = self._pool
         return pool.staging_stats() if pool is not None else self._last_staging
 
+    def aio_stats(self) -> AioStats:
+        pool = self._pool
+        return pool.aio_stats() if pool is not None else self._last_aio
+
     def depth(self) -> tuple[int, int]:
         """(queued, in flight) loads."""
         with self._lock:
@@ -184,7 +194,7 @@ class LoadEngine:
             thread.join()
         if self._pool is not None:
             self._pool.close()
-            self._last_staging = self._pool.staging_stats()
+            self._last_staging, self._last_aio = self._pool.staging_stats(), self._pool.aio_stats()
             self._pool = None  # the native pool holds the staging buffer until it is freed
         if self.staging_buffer is not None:
             self.staging_buffer.close()

@@ -22,6 +22,7 @@ from ioworker.engine import HintQueue, LoadEngine, LoadRefused, staging_for
 from native import BypassFile
 from shared.commands import IOWorkerArgs, parse_io_worker_argv
 from shared.io_messages import (
+    MAX_FRAMES,
     WORKER_COMMANDS,
     Cancel,
     Hello,
@@ -110,31 +111,44 @@ class _Server:
         self.bad_commands = 0
         self.last_hint_status = HintStatus()
         self.stopping = False
+        self.outgoing: list[bytes] = []  # replies of this loop iteration, sent by flush()
 
     def send(self, frame: bytes) -> None:
-        try:
-            self.sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("reply dropped: the coordinator's queue is full")
+        """Queue a reply; `flush` sends what an iteration of the loop produced as one message."""
+        self.outgoing.append(frame)
+
+    def _send_outgoing(self) -> None:
+        frames, self.outgoing = self.outgoing, []
+        for start in range(0, len(frames), MAX_FRAMES):
+            try:
+                self.sock.send_multipart(frames[start : start + MAX_FRAMES], zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("%d replies dropped: the coordinator's queue is full", len(frames) - start)
+                return
 
     def bad(self, code: str, message: str) -> None:
         self.bad_commands += 1
         logger.warning("refused command: %s", message)
         self.send(error_frame(code, message))
 
-    def handle(self, frames: list[bytes]) -> None:
+    def handle(self, frame: bytes) -> None:
         try:
-            self._handle(frames)
+            self._handle(frame)
         except Exception as error:  # bad input must never kill the worker
             logger.exception("command failed")
             self.bad(INTERNAL, f"command failed: {error!r}")
 
-    def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) != 1:
-            self.bad("bad_frame", f"expected one frame per message, got {len(frames)}")
+    def handle_message(self, frames: list[bytes]) -> None:
+        """Serve each frame of a message in order (one command each)."""
+        if len(frames) > MAX_FRAMES:
+            self.bad("bad_frame", f"expected at most {MAX_FRAMES} frames per message, got {len(frames)}")
             return
+        for frame in frames:
+            self.handle(frame)
+
+    def _handle(self, frame: bytes) -> None:
         try:
-            command = decode(frames[0], WORKER_COMMANDS)
+            command = decode(frame, WORKER_COMMANDS)
         except ProtocolError as error:
             self.bad(error.code, error.message)
             return
@@ -170,17 +184,20 @@ class _Server:
             self.bad(BAD_REQUEST, f"unexpected {command.OP} after the handshake")
 
     def flush(self) -> None:
+        """Send this iteration's replies, the loads finished since the last one and hint progress."""
         for reply in self.engine.completions():
             self.send(encode(reply))
         status = self.hints.status()
         if status != self.last_hint_status:
             self.last_hint_status = status
             self.send(encode(status))
+        if self.outgoing:
+            self._send_outgoing()
 
     def telemetry(self) -> WorkerTelemetry:
         counters = self.engine.counters
         queued, in_flight = self.engine.depth()
-        staging, buffer = self.engine.staging_stats(), self.engine.staging_buffer
+        staging, buffer, aio = self.engine.staging_stats(), self.engine.staging_buffer, self.engine.aio_stats()
         return WorkerTelemetry(
             index=self.config.index,
             pid=os.getpid(),
@@ -208,6 +225,12 @@ class _Server:
             staged_bytes=staging.staged_bytes,
             staging_copy_ms=staging.copy_ms,
             scheduling=self.scheduling,
+            aio=aio.enabled,
+            aio_reason=aio.reason,
+            aio_ranges=aio.ranges,
+            aio_reread=aio.reread,
+            aio_refused=aio.refused,
+            aio_busy=aio.busy,
         )
 
 
@@ -274,7 +297,7 @@ def run_io_worker(config: IOWorkerArgs) -> int:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        server.handle(frames)
+                        server.handle_message(frames)
                 server.flush()
             if life.stop_requested:
                 logger.info("stopping on signal %d", life.stop_signal)

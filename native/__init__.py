@@ -6,7 +6,9 @@ A thin typed layer over the C extension `native._bypassio`:
   falls back to buffered reads + posix_fadvise(DONTNEED) where the filesystem
   refuses O_DIRECT. `BypassFile.mode` says which one is in use, never silently.
 - `ReadPool(threads=N).read(region, ops)` runs a batch of reads on a native
-  pthread pool with the GIL released; each op is a `ReadOp`.
+  pthread pool with the GIL released; each op is a `ReadOp`. With `aio` (Linux)
+  the direct reads of a call are submitted together from the caller's thread
+  (kernel AIO) instead; `ReadPool.aio_stats()` says whether and how often.
 - `advise_willneed` / `advise_dontneed` are advisory readahead calls.
 
 Alignment contract (checked in every mode so a slot layout that works buffered
@@ -36,6 +38,7 @@ MIN_BLOCK_SIZE: int = _bypassio.MIN_BLOCK
 MAX_BLOCK_SIZE: int = _bypassio.MAX_BLOCK
 STATUS_SHORT_READ: int = _bypassio.STATUS_SHORT_READ
 HAVE_O_DIRECT = bool(_bypassio.HAVE_O_DIRECT)
+HAVE_AIO = bool(_bypassio.HAVE_AIO)  # Linux kernel AIO built in (io_setup may still be refused)
 
 OpenMode = Literal["auto", "direct", "dontneed", "buffered"]
 """What a caller asks for: `auto` bypasses the cache and falls back when refused;
@@ -190,21 +193,57 @@ class StagingStats:
     copy_ms: float
 
 
+@dataclass(frozen=True, slots=True)
+class AioStats:
+    """The kernel-AIO path of a pool: whether it runs (or why not) and what it did so far."""
+
+    enabled: bool
+    reason: str  # why it does not run ("" when it does, or when it was not asked for)
+    calls: int  # reads whose direct ranges went through AIO
+    ranges: int
+    reread: int  # ranges the kernel returned short or failed, read again with pread
+    refused: int  # ranges the kernel would not queue, read with pread instead
+    busy: int  # reads that found every context in use and ran on the threads
+
+
 class ReadPool:
     """A native pthread pool of `threads` readers; `read` may be called from many
     Python threads at once, and at most `threads` reads run at any moment.
 
     With `staging` (a `native.staging.StagingBuffer` of `threads` strides),
     direct reads longer than `stage_above` bytes go through the reader thread's
-    stride and are copied into place (see native/staging.py for why)."""
+    stride and are copied into place (see native/staging.py for why). With
+    `aio` (Linux) a call's other direct reads are submitted at once from the
+    caller's thread through one of `threads` kernel AIO contexts of
+    `aio_depth` ranges each (see native/bypassio.c for why); without kernel AIO
+    they run on the threads and `aio_stats()` says why."""
 
-    def __init__(self, *, threads: int = 4, staging: StagingBuffer | None = None, stage_above: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        threads: int = 4,
+        staging: StagingBuffer | None = None,
+        stage_above: int = 0,
+        aio: bool = True,
+        aio_depth: int = 256,
+    ) -> None:
         if staging is None:
-            self._pool = _bypassio.Pool(threads)
+            self._pool = _bypassio.Pool(threads, aio=aio, aio_depth=aio_depth)
         else:
             if staging.threads < threads:
                 raise ValueError(f"staging holds {staging.threads} strides for {threads} threads")
-            self._pool = _bypassio.Pool(threads, staging.view, staging.stride, stage_above)
+            self._pool = _bypassio.Pool(threads, staging.view, staging.stride, stage_above, aio, aio_depth)
+
+    def aio_stats(self) -> AioStats:
+        asked, setup_errno, contexts, calls, ranges, reread, refused, busy = self._pool.aio
+        if not asked:
+            reason = "not asked for"
+        elif setup_errno:
+            name = errno_module.errorcode.get(setup_errno, str(setup_errno))
+            reason = f"io_setup failed: {name} ({os.strerror(setup_errno)})"
+        else:
+            reason = ""
+        return AioStats(bool(contexts), reason, calls, ranges, reread, refused, busy)
 
     @property
     def threads(self) -> int:
@@ -246,9 +285,10 @@ def read_batch(
     *,
     threads: int = 4,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    aio: bool = True,
 ) -> list[ReadResult]:
     """One-shot `ReadPool.read` on a pool that lives for this call only."""
-    with ReadPool(threads=max(1, min(threads, len(ops) or 1))) as pool:
+    with ReadPool(threads=max(1, min(threads, len(ops) or 1)), aio=aio) as pool:
         return pool.read(region, ops, block_size=block_size)
 
 
@@ -266,11 +306,13 @@ def advise_dontneed(fd: int, offset: int = 0, length: int = 0) -> None:
 __all__ = [
     "BYPASS_MODES",
     "DEFAULT_BLOCK_SIZE",
+    "HAVE_AIO",
     "HAVE_O_DIRECT",
     "MAX_BLOCK_SIZE",
     "MIN_BLOCK_SIZE",
     "MODES",
     "STATUS_SHORT_READ",
+    "AioStats",
     "BypassFile",
     "IOMode",
     "OpenMode",

@@ -20,6 +20,19 @@
  * behind a VMM) is faster with one large request. Counters say how many
  * reads and bytes were staged and how long the copies took.
  *
+ * Linux AIO: a Pool made with aio=True keeps one kernel AIO context per
+ * thread and runs a call's direct reads (those not staged) from the calling
+ * thread: one io_submit for all of them and io_getevents until every one is
+ * in, instead of one pool thread and one blocking pread per range. A load of
+ * nine ranges then wakes the caller about once, not nine pool threads each
+ * sleeping in its own read; on a host whose cores also compute, each wake-up
+ * is time taken from the computation. A read the kernel returns short or
+ * failed is read again with pread (which reports end of file and errors as
+ * the pool does), a range it refuses to queue is read with pread at once, and
+ * a call that finds every context busy runs on the threads; the counters say
+ * how often. Without io_setup (macOS, a refused syscall) every read runs on
+ * the threads, and the pool says why (`aio` attribute).
+ *
  * Alignment contract (checked in every mode, so a layout that works buffered
  * also works direct): the region address is a multiple of the block size,
  * region_offset is congruent to file_offset modulo the block size, and the
@@ -44,7 +57,12 @@
 #include <time.h>
 #include <unistd.h>
 #ifdef __linux__
+#include <linux/aio_abi.h>
 #include <linux/fs.h>
+#include <sys/syscall.h>
+#define HAVE_AIO 1
+#else
+#define HAVE_AIO 0
 #endif
 
 enum { MODE_DIRECT = 0, MODE_NOCACHE = 1, MODE_DONTNEED = 2, MODE_BUFFERED = 3, MODE_COUNT = 4 };
@@ -59,6 +77,8 @@ static const char *const MODE_NAMES[MODE_COUNT] = {"direct", "nocache", "dontnee
 /* Keep every offset far from int64 overflow when rounding. */
 #define MAX_OFFSET ((int64_t)1 << 60)
 #define DONTNEED_PAGE ((int64_t)4096)
+/* Ranges one AIO context holds in flight; a call with more submits them in rounds. */
+#define AIO_DEPTH 256
 
 static int64_t round_down(int64_t value, int64_t block) { return value - value % block; }
 static int64_t round_up(int64_t value, int64_t block) { return round_down(value + block - 1, block); }
@@ -275,6 +295,7 @@ typedef struct op {
     int fd, mode, status;
     int64_t delivered, transferred, ns;
     int64_t staged, copy_ns; /* bytes that went through staging, time spent copying them */
+    int settled;             /* an AIO op has its result */
     /* rounded range in region coordinates, for validation */
     int64_t astart, aend;
 } op_t;
@@ -306,6 +327,14 @@ typedef struct pool_object {
     int64_t stage_stride, stage_above;
     /* guarded by mu */
     int64_t staged_ops, staged_bytes, copy_ns;
+    /* Linux AIO (see the top): idle contexts, and what they did; guarded by mu */
+    int aio_asked, aio_errno; /* errno of the io_setup that failed, 0 when aio runs or was not asked */
+    int aio_round;            /* ranges submitted at once: the contexts' depth, at most AIO_DEPTH */
+#if HAVE_AIO
+    aio_context_t *contexts;
+    int idle_contexts, ncontexts;
+#endif
+    int64_t aio_calls, aio_ranges, aio_reread, aio_refused, aio_busy;
 } PoolObject;
 
 static void run_op(op_t *op, char *stage, int64_t stride, int64_t stage_above) {
@@ -363,6 +392,90 @@ static void run_op(op_t *op, char *stage, int64_t stride, int64_t stage_above) {
     op->copy_ns = copy_ns;
     op->ns = now_ns() - started;
 }
+
+#if HAVE_AIO
+/* The rounded range of a direct op: its file start and length, and where in the region it lands. */
+static int64_t direct_range(const op_t *op, int64_t *start, char **base) {
+    *start = round_down(op->offset, op->block);
+    *base = op->region + (op->dest - (op->offset - *start));
+    return round_up(op->offset + op->length, op->block) - *start;
+}
+
+/* The kernel's answer for one range: in full (end of file may cut the rounded tail, never a
+ * requested byte), else read again with pread, which says what went wrong. */
+static void aio_settle(op_t *op, int64_t res, int64_t *reread) {
+    int64_t start;
+    char *base;
+    direct_range(op, &start, &base);
+    op->settled = 1;
+    if (res >= 0 && start + res >= op->offset + op->length) {
+        op->status = 0;
+        op->delivered = op->length;
+        op->transferred = res;
+        op->ns = now_ns() - op->ns;
+        return;
+    }
+    run_op(op, NULL, 0, 0);
+    (*reread)++;
+}
+
+/* Run `n` direct ops through one AIO context from this thread; every op has its result on return
+ * and no read is in flight. Returns 0, or -1 when the context had to be destroyed (not reusable). */
+static int aio_run(aio_context_t ctx, int depth, op_t **ops, Py_ssize_t n, int64_t *reread, int64_t *refused) {
+    struct iocb cbs[AIO_DEPTH], *queue[AIO_DEPTH];
+    struct io_event events[AIO_DEPTH];
+    for (Py_ssize_t round = 0; round < n; round += depth) {
+        int count = (int)(n - round < depth ? n - round : depth);
+        for (int i = 0; i < count; i++) {
+            op_t *op = ops[round + i];
+            int64_t start;
+            char *base;
+            int64_t length = direct_range(op, &start, &base);
+            memset(&cbs[i], 0, sizeof(cbs[i]));
+            cbs[i].aio_data = (uint64_t)(uintptr_t)op;
+            cbs[i].aio_lio_opcode = IOCB_CMD_PREAD;
+            cbs[i].aio_fildes = (uint32_t)op->fd;
+            cbs[i].aio_buf = (uint64_t)(uintptr_t)base;
+            cbs[i].aio_nbytes = (uint64_t)length;
+            cbs[i].aio_offset = start;
+            queue[i] = &cbs[i];
+            op->ns = now_ns(); /* submit time until settled */
+        }
+        int pending = 0;
+        for (int next = 0; next < count;) {
+            long queued = syscall(SYS_io_submit, ctx, (long)(count - next), queue + next);
+            if (queued > 0) {
+                next += (int)queued;
+                pending += (int)queued;
+            } else if (queued < 0 && errno == EINTR) {
+                continue;
+            } else { /* the kernel would not queue this range (e.g. EAGAIN): read it here */
+                op_t *op = (op_t *)(uintptr_t)queue[next]->aio_data;
+                run_op(op, NULL, 0, 0);
+                op->settled = 1;
+                (*refused)++;
+                next++;
+            }
+        }
+        while (pending > 0) {
+            long got = syscall(SYS_io_getevents, ctx, 1L, (long)pending, events, NULL);
+            if (got < 0 && errno == EINTR) continue;
+            if (got < 0) {
+                /* Cannot happen with a context of ours; if it does, io_destroy waits for what is in
+                 * flight, so no read writes the region after we return, and pread reads it again. */
+                syscall(SYS_io_destroy, ctx);
+                for (int i = 0; i < count; i++)
+                    if (!ops[round + i]->settled) aio_settle(ops[round + i], -1, reread);
+                for (Py_ssize_t rest = round + count; rest < n; rest++) run_op(ops[rest], NULL, 0, 0);
+                return -1;
+            }
+            for (long i = 0; i < got; i++) aio_settle((op_t *)(uintptr_t)events[i].data, events[i].res, reread);
+            pending -= (int)got;
+        }
+    }
+    return 0;
+}
+#endif
 
 static void *pool_main(void *arg) {
     worker_t *worker = (worker_t *)arg;
@@ -427,13 +540,55 @@ static int take_staging(PoolObject *self, PyObject *staging, int threads, long l
     return 0;
 }
 
+/* One AIO context per pool thread (a reader per thread calls read); aio_errno says why not. */
+static void setup_aio(PoolObject *self, int contexts, int depth) {
+    self->aio_asked = 1;
+#if HAVE_AIO
+    self->contexts = calloc((size_t)contexts, sizeof(aio_context_t));
+    if (self->contexts == NULL) {
+        self->aio_errno = ENOMEM;
+        return;
+    }
+    for (int i = 0; i < contexts; i++) {
+        if (syscall(SYS_io_setup, (long)depth, &self->contexts[i]) != 0) {
+            self->aio_errno = errno;
+            for (int j = 0; j < i; j++) syscall(SYS_io_destroy, self->contexts[j]);
+            free(self->contexts);
+            self->contexts = NULL;
+            return;
+        }
+    }
+    self->ncontexts = self->idle_contexts = contexts;
+    self->aio_round = depth < AIO_DEPTH ? depth : AIO_DEPTH;
+#else
+    (void)contexts, (void)depth;
+    self->aio_errno = ENOSYS;
+#endif
+}
+
+static void teardown_aio(PoolObject *self) {
+#if HAVE_AIO
+    for (int i = 0; i < self->idle_contexts; i++) syscall(SYS_io_destroy, self->contexts[i]);
+    free(self->contexts);
+    self->contexts = NULL;
+    self->ncontexts = self->idle_contexts = 0;
+#else
+    (void)self;
+#endif
+}
+
 static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"threads", "staging", "stage_stride", "stage_above", NULL};
-    int threads = 4;
+    static char *kwlist[] = {"threads", "staging", "stage_stride", "stage_above", "aio", "aio_depth", NULL};
+    int threads = 4, aio = 0, aio_depth = AIO_DEPTH;
     PyObject *staging = Py_None;
     long long stride = 0, above = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOLL", kwlist, &threads, &staging, &stride, &above))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iOLLpi", kwlist, &threads, &staging, &stride, &above, &aio,
+                                     &aio_depth))
         return -1;
+    if (aio_depth < 1) {
+        PyErr_Format(PyExc_ValueError, "aio_depth must be >= 1, got %d", aio_depth);
+        return -1;
+    }
     if (self->threads != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Pool is already initialised");
         return -1;
@@ -479,6 +634,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    if (aio) setup_aio(self, threads, aio_depth);
     return 0;
 }
 
@@ -490,6 +646,7 @@ static void Pool_dealloc(PoolObject *self) {
         free(self->threads);
         free(self->workers);
     }
+    teardown_aio(self); /* no read is in flight: every read returns with its ranges in */
     /* After the join: no thread reads the staging buffer any more. */
     if (self->has_staging) PyBuffer_Release(&self->staging);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -658,26 +815,70 @@ static PyObject *Pool_read(PoolObject *self, PyObject *args, PyObject *kwargs) {
     if (check_overlaps(ops, n) != 0) goto done;
     if (queued > 0) {
         int closed = 0;
-        batch.remaining = (int)queued;
+        op_t **direct = calloc((size_t)queued, sizeof(op_t *));
+        if (direct == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        /* The ranges kernel AIO may take: direct, not staged (staging needs a pool thread's buffer). */
+        Py_ssize_t ndirect = 0;
+        for (Py_ssize_t i = 0; i < n && HAVE_AIO && self->aio_round > 0; i++) {
+            op_t *op = &ops[i];
+            int staged = self->has_staging &&
+                         round_up(op->offset + op->length, block) - round_down(op->offset, block) > self->stage_above;
+            if (op->length > 0 && op->mode == MODE_DIRECT && !staged) {
+                op->settled = -1; /* marks it for AIO, unless no context is idle */
+                direct[ndirect++] = op;
+            }
+        }
         pthread_cond_init(&batch.done, NULL);
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&self->mu);
         if (self->closing) {
             closed = 1;
         } else {
+#if HAVE_AIO
+            int64_t reread = 0, refused = 0;
+            aio_context_t ctx = 0;
+            if (ndirect > 0 && self->idle_contexts > 0) ctx = self->contexts[--self->idle_contexts];
+            else if (ndirect > 0) self->aio_busy++; /* more callers than contexts: on the threads */
+#endif
             for (Py_ssize_t i = 0; i < n; i++) {
-                if (ops[i].length == 0) continue;
-                ops[i].next = NULL;
-                if (self->tail) self->tail->next = &ops[i];
-                else self->head = &ops[i];
-                self->tail = &ops[i];
+                op_t *op = &ops[i];
+                if (op->length == 0) continue;
+                int by_aio = op->settled == -1;
+                op->settled = 0;
+#if HAVE_AIO
+                if (ctx != 0 && by_aio) continue;
+#endif
+                (void)by_aio;
+                batch.remaining++;
+                op->next = NULL;
+                if (self->tail) self->tail->next = op;
+                else self->head = op;
+                self->tail = op;
             }
-            pthread_cond_broadcast(&self->work);
+            if (batch.remaining > 0) pthread_cond_broadcast(&self->work);
+#if HAVE_AIO
+            if (ctx != 0) {
+                pthread_mutex_unlock(&self->mu);
+                int reusable = aio_run(ctx, self->aio_round, direct, ndirect, &reread, &refused) == 0;
+                pthread_mutex_lock(&self->mu);
+                if (reusable) self->contexts[self->idle_contexts++] = ctx;
+                else if (--self->ncontexts == 0) self->aio_round = 0; /* the last one: threads from now on */
+                self->aio_calls++;
+                self->aio_ranges += ndirect;
+                self->aio_reread += reread;
+                self->aio_refused += refused;
+            }
+#endif
+            (void)ndirect;
             while (batch.remaining > 0) pthread_cond_wait(&batch.done, &self->mu);
         }
         pthread_mutex_unlock(&self->mu);
         Py_END_ALLOW_THREADS
         pthread_cond_destroy(&batch.done);
+        free(direct);
         if (closed) {
             PyErr_SetString(PyExc_ValueError, "read on a closed Pool");
             goto done;
@@ -739,7 +940,26 @@ static PyObject *Pool_get_staging(PoolObject *self, void *closure) {
                          (long long)self->stage_above, ops, bytes, ns);
 }
 
+static PyObject *Pool_get_aio(PoolObject *self, void *closure) {
+    (void)closure;
+    long long counts[5] = {0, 0, 0, 0, 0};
+    int contexts = 0;
+    if (self->threads != NULL) {
+        pthread_mutex_lock(&self->mu);
+#if HAVE_AIO
+        contexts = self->ncontexts;
+#endif
+        counts[0] = self->aio_calls, counts[1] = self->aio_ranges, counts[2] = self->aio_reread;
+        counts[3] = self->aio_refused, counts[4] = self->aio_busy;
+        pthread_mutex_unlock(&self->mu);
+    }
+    return Py_BuildValue("(iiiLLLLL)", self->aio_asked, self->aio_errno, contexts, counts[0], counts[1], counts[2],
+                         counts[3], counts[4]);
+}
+
 static PyGetSetDef Pool_getset[] = {
+    {"aio", (getter)Pool_get_aio, NULL,
+     "(asked, setup_errno, contexts, calls, ranges, reread, refused, busy): the Linux AIO path", NULL},
     {"staging", (getter)Pool_get_staging, NULL,
      "(enabled, stage_stride, stage_above, staged_ops, staged_bytes, copy_ns)", NULL},
     {"threads", (getter)Pool_get_threads, NULL, "number of pool threads", NULL},
@@ -751,9 +971,10 @@ static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "native._bypassio.Pool",
     .tp_basicsize = sizeof(PoolObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Pool(threads=4, staging=None, stage_stride=0, stage_above=0): persistent pthread pool for\n"
-              "batched positional reads; with `staging` (threads x stage_stride writable bytes) direct reads\n"
-              "longer than stage_above go through the thread's staging stride and are copied into place.",
+    .tp_doc = "Pool(threads=4, staging=None, stage_stride=0, stage_above=0, aio=False, aio_depth=256): persistent\n"
+              "pthread pool for batched positional reads; with `staging` (threads x stage_stride writable bytes)\n"
+              "direct reads longer than stage_above go through the thread's staging stride and are copied into\n"
+              "place; with `aio` (Linux) the other direct reads are submitted from the caller's thread.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Pool_init,
     .tp_dealloc = (destructor)Pool_dealloc,
@@ -793,6 +1014,7 @@ PyMODINIT_FUNC PyInit__bypassio(void) {
         PyModule_AddIntConstant(module, "STATUS_SHORT_READ", STATUS_SHORT_READ) < 0 ||
         PyModule_AddIntConstant(module, "MIN_BLOCK", MIN_BLOCK) < 0 ||
         PyModule_AddIntConstant(module, "MAX_BLOCK", MAX_BLOCK) < 0 ||
+        PyModule_AddIntConstant(module, "HAVE_AIO", HAVE_AIO) < 0 ||
 #if defined(O_DIRECT)
         PyModule_AddIntConstant(module, "HAVE_O_DIRECT", 1) < 0
 #else

@@ -6,6 +6,12 @@ Startup: worker `hello` -> coordinator `welcome` -> worker `ready` (or worker
 one `loaded`, a `telemetry` request with `telemetry`, reports hint progress
 with `hint_status`, and answers a frame it cannot serve with `error`.
 
+A message is one or more frames, each one command or reply: the coordinator
+sends a prefetch wave's loads to a worker as one message, and a worker sends
+the replies it has ready at once as one, so a wave costs one wake-up of each
+side's socket thread, not one per load. Every frame is decoded and answered on
+its own (a bad one gets its `error`, the others are served).
+
 Segments travel as compact arrays: [file, offset, length, destination] and
 [file, offset, length]. Their values are checked by the worker against its
 manifest and slot (so it can answer `loaded` with the offending value), not
@@ -29,6 +35,7 @@ from shared.protocol import (
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment
 
 MAX_SEGMENTS = 4096  # per load or hint message
+MAX_FRAMES = 256  # commands or replies per message
 
 
 def _ints(value: Any, where: str, count: int, names: str) -> list[int]:
@@ -189,6 +196,12 @@ class WorkerTelemetry:
     staged_bytes: int = 0
     staging_copy_ms: float = 0.0
     scheduling: str = ""  # the worker's scheduling class (shared/scheduling.py), or why it kept the default
+    aio: bool = False  # direct reads submitted through kernel AIO (native/bypassio.c)
+    aio_reason: str = ""  # why not, when not
+    aio_ranges: int = 0
+    aio_reread: int = 0  # returned short or failed, read again with pread
+    aio_refused: int = 0  # not queued by the kernel, read with pread
+    aio_busy: int = 0  # loads that found every AIO context in use and ran on the pool's threads
 
 
 WORKER_COMMANDS = make_registry(Welcome, Load, Cancel, Hint, TelemetryRequest, Shutdown)
@@ -198,6 +211,7 @@ WORKER_REPLIES = make_registry(Hello, Ready, Loaded, HintStatus, WorkerTelemetry
 """Ops the coordinator accepts from an I/O worker."""
 
 __all__ = [
+    "MAX_FRAMES",
     "MAX_SEGMENTS",
     "WORKER_COMMANDS",
     "WORKER_REPLIES",

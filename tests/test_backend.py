@@ -19,7 +19,7 @@ from coordinator.io_results import BackendStateError, ExpertLoadError, IOWorkerS
 from coordinator.io_sessions import WATCH_INTERVAL_S
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_backend import ExpertResidencyBackend
-from shared.io_messages import WORKER_COMMANDS, Hello, HintStatus, Load, Loaded, Ready, Welcome
+from shared.io_messages import WORKER_COMMANDS, Cancel, Hello, HintStatus, Load, Loaded, Ready, Welcome
 from shared.plan import plan_expert_residency
 from shared.protocol import decode, encode
 from shared.segments import ExpertIOHintSegment, ExpertIOSegment, ExpertResidencyLocation
@@ -263,18 +263,25 @@ def test_the_residency_managers_hints_reach_the_workers(tmp_path):
 class FakeWorker:
     """A scripted DEALER standing in for worker 0, to send what a real one never would."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, index: int = 0) -> None:
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
+        self.index = index
 
     async def handshake(self) -> None:
-        await self.sock.send(encode(Hello(index=0, pid=os.getpid())))
-        assert decode(await self.sock.recv(), WORKER_COMMANDS) == Welcome(index=0)
-        await self.sock.send(encode(Ready(index=0, pid=os.getpid(), block_size=BLOCK, modes=("direct",))))
+        await self.sock.send(encode(Hello(index=self.index, pid=os.getpid())))
+        assert decode(await self.sock.recv(), WORKER_COMMANDS) == Welcome(index=self.index)
+        await self.sock.send(encode(Ready(index=self.index, pid=os.getpid(), block_size=BLOCK, modes=("direct",))))
 
     async def command(self):
+        """The next command (a message of several frames is several commands)."""
         return decode(await asyncio.wait_for(self.sock.recv(), 5), WORKER_COMMANDS)
+
+    async def message(self) -> list:
+        """The commands of the next message, in order."""
+        frames = await asyncio.wait_for(self.sock.recv_multipart(), 5)
+        return [decode(frame, WORKER_COMMANDS) for frame in frames]
 
     async def reply(self, message) -> None:
         await self.sock.send(encode(message))
@@ -318,6 +325,61 @@ def test_stale_and_bad_replies_are_counted_never_applied(tmp_path):
         assert not (tmp_path / "fake.sock").exists()  # the backend removes its ipc socket file
 
     run(scenario())
+
+
+def test_the_loads_of_one_turn_go_as_one_message_and_a_cancel_keeps_its_place(tmp_path):
+    async def scenario() -> None:
+        with Slab.create(total_slots=3, slot_bytes=SLOT) as slab:
+            backend, worker = await fake_backend(tmp_path, slab)
+            try:
+                for slot in range(3):  # a prefetch wave: queued, sent after this turn of the loop
+                    backend.submit_segments(slot, 1, SEGMENTS)
+                assert await worker.message() == [Load(slot=slot, generation=1, segments=SEGMENTS) for slot in range(3)]
+                await worker.sock.send_multipart(  # replies ready together: one message
+                    [encode(Loaded(slot=slot, generation=1, ok=True, bytes=10)) for slot in (0, 2)]
+                )
+                await asyncio.gather(backend.wait(0, 1), backend.wait(2, 1))
+                backend.discard(0, 1)
+                backend.submit_segments(0, 2, SEGMENTS)
+                backend.cancel(1, 1)  # sent at once, after (and with) the load queued before it
+                assert await worker.message() == [
+                    Load(slot=0, generation=2, segments=SEGMENTS),
+                    Cancel(slot=1, generation=1),
+                ]
+                assert backend.telemetry().bad_replies == 0
+            finally:
+                worker.sock.close()
+                await backend.aclose()
+
+    run(scenario())
+
+
+def test_loads_a_live_worker_could_not_be_sent_go_to_another(tmp_path, caplog):
+    """A send that fails (host unreachable) while the worker's process still runs: only its
+    undelivered loads avoid it; it is not lost."""
+
+    async def scenario() -> None:
+        with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
+            backend = IOWorkerBackend(slab=slab, endpoint=f"ipc://{tmp_path}/fake.sock", workers=2, files=2)
+            workers = [FakeWorker(backend.endpoint, index) for index in range(2)]
+            await asyncio.gather(backend.start(timeout=5), *(worker.handshake() for worker in workers))
+            try:
+                workers[0].sock.close()  # this process (its pid) still runs
+                await asyncio.sleep(0.2)  # ZeroMQ's I/O thread sees the connection close
+                for slot in range(2):  # the least busy rotation queues one of them for worker 0
+                    backend.submit_segments(slot, 1, SEGMENTS)
+                got = await workers[1].message()
+                got += [] if len(got) == 2 else await workers[1].message()
+                assert sorted(load.slot for load in got) == [0, 1]
+                telemetry = backend.telemetry()
+                assert (telemetry.workers_lost, telemetry.failed) == (0, 0)
+            finally:
+                workers[1].sock.close()
+                await backend.aclose()
+
+    caplog.set_level("WARNING", logger="coordinator.backend")
+    run(scenario())
+    assert "I/O worker 0" in caplog.text and "unreachable" in caplog.text
 
 
 def test_slot_phases_refuse_writes_to_leased_or_loading_slots(tmp_path):

@@ -14,11 +14,12 @@ import zmq
 
 from ioworker.engine import HintQueue
 from ioworker.main import load_manifest
-from native import BypassFile
+from native import HAVE_AIO, BypassFile
 from native.staging import choose_staging
 from shared.children import spawn_child, stop_children
 from shared.commands import IO_WORKER_MODULE, IOWorkerArgs, child_command, io_worker_argv, parse_io_worker_argv
 from shared.io_messages import (
+    MAX_FRAMES,
     WORKER_REPLIES,
     Cancel,
     ErrorReply,
@@ -63,12 +64,17 @@ class Coordinator:
         )
         self.worker = spawn_child("I/O worker 0", child_command(IO_WORKER_MODULE, io_worker_argv(config)))
         self.identity = b""
+        self.pending: list[bytes] = []  # replies of a message not yet returned by recv()
+        self.messages = 0  # messages received
 
     def recv(self, timeout: float = 10.0):
-        if not self.sock.poll(timeout * 1000):
-            raise TimeoutError(f"no reply within {timeout} s; {self.worker.describe()}")
-        self.identity, payload = self.sock.recv_multipart()
-        return decode(payload, WORKER_REPLIES)
+        """The next reply; a message of several frames (replies ready at once) is several replies."""
+        if not self.pending:
+            if not self.sock.poll(timeout * 1000):
+                raise TimeoutError(f"no reply within {timeout} s; {self.worker.describe()}")
+            self.identity, *self.pending = self.sock.recv_multipart()
+            self.messages += 1
+        return decode(self.pending.pop(0), WORKER_REPLIES)
 
     def send(self, message) -> None:
         self.send_raw(encode(message))
@@ -82,6 +88,7 @@ class Coordinator:
         self.send(Welcome(index=0))
         ready = self.recv()
         assert isinstance(ready, Ready), ready
+        self.modes = ready.modes
         return ready
 
     def expect(self, kind, timeout: float = 10.0):
@@ -168,6 +175,11 @@ def test_loads_land_exactly_and_telemetry_counts(coordinator, files, slab):
     telemetry = coord.expect(WorkerTelemetry)
     assert (telemetry.loads, telemetry.bytes, telemetry.read_ops, telemetry.files) == (1, 20008, 3, 2)
     assert telemetry.bypass_files == 2 and telemetry.fallback_files == 0
+    # A load's direct ranges go to the kernel together (Linux AIO); elsewhere the worker says why not.
+    assert telemetry.aio == HAVE_AIO and (telemetry.aio_reason == "") == HAVE_AIO
+    direct = all(mode == "direct" for mode in coord.modes)
+    assert telemetry.aio_ranges == (3 if HAVE_AIO and direct else 0)
+    assert telemetry.aio_reread == telemetry.aio_refused == telemetry.aio_busy == 0
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
@@ -289,6 +301,30 @@ def test_cancel_drops_a_queued_load_and_in_flight_ones_still_reply(coordinator):
     assert (refused.generation, refused.ok) == (7, False) and "already has load generation 1" in refused.error
     done = coord.expect(Loaded, timeout=5)
     assert (done.slot, done.generation, done.ok) == (0, 1, True)
+
+
+def test_a_message_of_several_commands_serves_each_and_replies_ready_together_go_as_one(coordinator):
+    """A prefetch wave's loads come as one message; a bad frame in it is refused on its own."""
+    coord = coordinator(queue_depth=1, test_read_delay_ms=1000)
+    loads = [good_load(slot, 10 + slot) for slot in range(3)]  # slot 0 reads, 1 and 2 queue behind it
+    coord.sock.send_multipart([coord.identity, *map(encode, loads[:2]), b"\x93garbage", encode(loads[2])])
+    refused = coord.expect(ErrorReply, timeout=0.8)
+    assert refused.code == "bad_frame" and "not msgpack" in refused.message
+    time.sleep(0.1)
+    before = coord.messages
+    coord.sock.send_multipart(
+        [coord.identity, encode(Cancel(slot=1, generation=11)), encode(Cancel(slot=2, generation=12))]
+    )
+    cancelled = [coord.expect(Loaded, timeout=0.8) for _ in range(2)]
+    assert [(r.slot, r.ok, r.error) for r in cancelled] == [(1, False, "cancelled"), (2, False, "cancelled")]
+    assert coord.messages == before + 1  # both answers in one message
+    done = coord.expect(Loaded, timeout=5)
+    assert (done.slot, done.generation, done.ok) == (0, 10, True)
+    coord.sock.send_multipart([coord.identity, *[encode(TelemetryRequest())] * (MAX_FRAMES + 1)])
+    too_many = coord.expect(ErrorReply)
+    assert too_many.code == "bad_frame" and f"at most {MAX_FRAMES} frames" in too_many.message
+    coord.send(good_load(1, 20))  # and it serves on
+    assert coord.expect(Loaded).ok
 
 
 def test_hints_are_served_and_reported(coordinator):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import native
-from native import BypassFile, ReadOp, ReadPool, read_batch
+from native import HAVE_AIO, BypassFile, ReadOp, ReadPool, read_batch
 
 BLOCK = native.DEFAULT_BLOCK_SIZE
 SIZE = 1 << 20
@@ -76,14 +76,20 @@ SPANS = [(0, 1), (1, 4095), (4095, 2), (5000, 70_001), (123_457, 9), (SIZE + 123
         ("tmpfs", "buffered", False, "buffered"),
     ],
 )
-def test_bytes_land_exactly(request, payload, region, where, mode, refuse, expected):
+@pytest.mark.parametrize("aio", [True, False], ids=["aio", "threads"])
+def test_bytes_land_exactly(request, payload, region, where, mode, refuse, expected, aio):
     path = request.getfixturevalue("disk_file" if where == "disk" else "tmpfs_file")
     with BypassFile.open(path, mode=mode, refuse_direct=refuse) as file:
         assert file.mode == expected
         assert file.fell_back == (refuse and mode == "auto")
         ops = _ops_for(file, SPANS)
-        with ReadPool(threads=3) as pool:
+        with ReadPool(threads=3, aio=aio) as pool:
             results = pool.read(region, ops)
+            stats = pool.aio_stats()
+    # Only direct reads go through kernel AIO, all of a call's at once.
+    through_aio = aio and HAVE_AIO and expected == "direct"
+    assert (stats.calls, stats.ranges) == ((1, len(ops)) if through_aio else (0, 0))
+    assert stats.reread == stats.refused == stats.busy == 0
     for op, result in zip(ops, results):
         assert result.ok, result.describe()
         assert result.delivered == op.length
@@ -119,12 +125,15 @@ def test_missing_file_and_bad_mode(tmp_path):
 @pytest.mark.parametrize("mode", ["auto", "buffered"])
 def test_short_read_at_eof_is_an_error(disk_file, region, mode):
     size = disk_file.stat().st_size
-    with BypassFile.open(disk_file, mode=mode) as file:
+    with BypassFile.open(disk_file, mode=mode) as file, ReadPool(threads=1) as pool:
         ops = [file.op(size - 10, 100, (size - 10) % BLOCK)]
-        [result] = read_batch(region, ops)
+        [result] = pool.read(region, ops)
+        stats = pool.aio_stats()
     assert result.status == native.STATUS_SHORT_READ
     assert result.delivered == 10
     assert "short read" in result.describe()
+    # Kernel AIO returns the short count; the range is read again with pread, which reports it.
+    assert stats.reread == (1 if HAVE_AIO and file.mode == "direct" else 0)
 
 
 def test_rounded_length_past_eof_is_fine(disk_file, payload, region):
@@ -183,13 +192,34 @@ def test_rounded_ranges_must_not_overwrite_other_requested_bytes(disk_file, payl
     assert region[:5010] == payload[:5010]
 
 
-def test_per_op_errno(region, disk_file):
-    with BypassFile.open(disk_file) as file:
-        ops = [file.op(0, 10, 0), ReadOp(fd=999_999, file_offset=0, length=10, region_offset=BLOCK)]
-        good, bad = read_batch(region, ops)
+@pytest.mark.parametrize("aio", [True, False], ids=["aio", "threads"])
+def test_per_op_errno(region, disk_file, aio):
+    with BypassFile.open(disk_file) as file, ReadPool(threads=2, aio=aio) as pool:
+        bad_fd = ReadOp(fd=999_999, file_offset=0, length=10, region_offset=BLOCK, mode="direct")
+        good, bad = pool.read(region, [file.op(0, 10, 0), bad_fd])
+        stats = pool.aio_stats()
     assert good.ok
     assert bad.status == errno.EBADF
     assert "EBADF" in bad.describe()
+    # io_submit refuses the bad descriptor's range: it is read with pread, which names the errno.
+    assert stats.refused == (1 if aio and HAVE_AIO else 0)
+
+
+def test_without_kernel_aio_reads_run_on_the_threads_and_the_pool_says_why(disk_file, payload, region):
+    """io_setup refused (here: more events than the kernel allows; elsewhere: no Linux AIO at all)."""
+    with BypassFile.open(disk_file) as file, ReadPool(threads=2, aio_depth=1 << 30) as pool:
+        ops = _ops_for(file, SPANS)
+        results = pool.read(region, ops)
+        stats = pool.aio_stats()
+    assert all(result.ok for result in results)
+    for op in ops:
+        assert (
+            region[op.region_offset : op.region_offset + op.length]
+            == payload[op.file_offset : op.file_offset + op.length]
+        )
+    assert not stats.enabled and stats.calls == stats.ranges == 0
+    assert stats.reason.startswith("io_setup failed: E") if HAVE_AIO else stats.reason
+    assert ReadPool(threads=1, aio=False).aio_stats().reason == "not asked for"
 
 
 def test_pool_serves_many_threads_and_closes(disk_file, payload):
@@ -217,6 +247,9 @@ def test_pool_serves_many_threads_and_closes(disk_file, payload):
             thread.start()
         for thread in threads:
             thread.join()
+        stats = pool.aio_stats()
+        # Every call took one of the 4 AIO contexts, or found them all in use and ran on the threads.
+        assert stats.calls + stats.busy == (30 if HAVE_AIO and file.mode == "direct" else 0)
         pool.close()
         pool.close()
         assert pool.closed
