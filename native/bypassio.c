@@ -295,6 +295,7 @@ typedef struct op {
     int fd, mode, status;
     int64_t delivered, transferred, ns;
     int64_t staged, copy_ns; /* bytes that went through staging, time spent copying them */
+    int by_aio;              /* this call may submit it through kernel AIO (direct, not staged) */
     int settled;             /* an AIO op has its result */
     /* rounded range in region coordinates, for validation */
     int64_t astart, aend;
@@ -827,7 +828,7 @@ static PyObject *Pool_read(PoolObject *self, PyObject *args, PyObject *kwargs) {
             int staged = self->has_staging &&
                          round_up(op->offset + op->length, block) - round_down(op->offset, block) > self->stage_above;
             if (op->length > 0 && op->mode == MODE_DIRECT && !staged) {
-                op->settled = -1; /* marks it for AIO, unless no context is idle */
+                op->by_aio = 1; /* through AIO, unless no context is idle */
                 direct[ndirect++] = op;
             }
         }
@@ -846,12 +847,9 @@ static PyObject *Pool_read(PoolObject *self, PyObject *args, PyObject *kwargs) {
             for (Py_ssize_t i = 0; i < n; i++) {
                 op_t *op = &ops[i];
                 if (op->length == 0) continue;
-                int by_aio = op->settled == -1;
-                op->settled = 0;
 #if HAVE_AIO
-                if (ctx != 0 && by_aio) continue;
+                if (ctx != 0 && op->by_aio) continue;
 #endif
-                (void)by_aio;
                 batch.remaining++;
                 op->next = NULL;
                 if (self->tail) self->tail->next = op;
