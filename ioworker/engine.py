@@ -1,10 +1,18 @@
 """The I/O worker's readers: validated loads on reader threads, and the hint queue.
 
 The socket thread validates a `load` against the manifest and the slot, then
-queues it; `queue_depth` reader threads each run one load at a time through the
-shared native pool (GIL released), so `cancel` and `telemetry` are served while
-reads are in flight. Finished loads become `Loaded` replies that the socket
-thread collects after `notify()` wakes it.
+queues it; `queue_depth` reader threads each run one queued read at a time
+through the shared native pool (GIL released), so `cancel` and `telemetry` are
+served while reads are in flight. Finished loads become `Loaded` replies that
+the socket thread collects after `notify()` wakes it.
+
+The loads a message brings together (`submit_many`: a wave's misses, a layer's
+prefetches) are one read: one reader, one native call whose direct ranges go to
+the kernel at once, replies ready together. Per load that saves the wake-ups of
+a reader, of its completions and of a reply of its own, which on a machine
+whose cores compute is CPU taken from the computation; what it costs is that a
+load's reply waits for the others of its read, which the disk serves at the same
+time anyway.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from native import STATUS_SHORT_READ, AioStats, BypassFile, ReadPool, StagingStats, advise_willneed
+from native import STATUS_SHORT_READ, AioStats, BypassFile, ReadPool, ReadResult, StagingStats, advise_willneed
 from native.staging import StagingBuffer, StagingChoice, StagingRequest, choose_staging
 from shared.io_messages import HintStatus, Load, Loaded
 from shared.protocol import BAD_REQUEST, INTERNAL
@@ -94,7 +102,7 @@ class LoadEngine:
         self._notify = notify
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}  # slot -> its one queued or running job
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[_Job] | None] = queue.SimpleQueue()  # a read: its loads
         self._done: deque[Loaded] = deque()
         self.counters = LoadCounters()
         self._last_staging = StagingStats(False, 0, 0, 0, 0, 0.0)
@@ -132,16 +140,37 @@ class LoadEngine:
 
     def submit(self, load: Load) -> None:
         """Queue a load, or raise LoadRefused naming the offending value."""
+        for _, refusal in self.submit_many([load]):
+            raise refusal
+
+    def submit_many(self, loads: Sequence[Load]) -> list[tuple[Load, LoadRefused]]:
+        """Queue `loads` as one read (module docstring); the ones refused, each with its reason
+        naming the offending value (the others are queued)."""
+        refused: list[tuple[Load, LoadRefused]] = []
+        jobs: list[_Job] = []
+        for load in loads:
+            try:
+                self._check(load)
+            except LoadRefused as error:
+                refused.append((load, error))
+                continue
+            with self._lock:
+                busy = self._jobs.get(load.slot)
+                if busy is not None:
+                    message = f"slot {load.slot} already has load generation {busy.load.generation} {busy.state}"
+                    refused.append((load, LoadRefused(message)))
+                    continue
+                job = _Job(load, time.monotonic())
+                self._jobs[load.slot] = job
+            jobs.append(job)
+        if jobs:
+            self._queue.put(jobs)
+        return refused
+
+    def _check(self, load: Load) -> None:
         if not 0 <= load.slot < self._slab.total_slots:
             raise LoadRefused(f"slot {load.slot} is outside the slab's {self._slab.total_slots} slots")
         _refuse_bad(load.segments, self._files, slot_bytes=self._slab.slot_bytes)
-        with self._lock:
-            busy = self._jobs.get(load.slot)
-            if busy is not None:
-                raise LoadRefused(f"slot {load.slot} already has load generation {busy.load.generation} {busy.state}")
-            job = _Job(load, time.monotonic())
-            self._jobs[load.slot] = job
-        self._queue.put(job)
 
     def cancel(self, slot: int, generation: int) -> Loaded | None:
         """Drop a queued load and return its `cancelled` reply; None if it is running or unknown."""
@@ -206,28 +235,34 @@ class LoadEngine:
 
     def _reader(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            queued = self._queue.get()
+            if queued is None:
                 return
             with self._lock:
-                if job.state != "queued":
-                    continue  # cancelled while queued
-                job.state = "running"
+                jobs = [job for job in queued if job.state == "queued"]  # not cancelled while queued
+                for job in jobs:
+                    job.state = "running"
+            if not jobs:
+                continue
             try:
-                reply = self._run(job)
+                replies = self._run(jobs)
             except Exception as error:  # never lose a reply: the coordinator waits on it
-                logger.exception("load of slot %d generation %d crashed", job.load.slot, job.load.generation)
-                reply = Loaded(
-                    slot=job.load.slot,
-                    generation=job.load.generation,
-                    ok=False,
-                    error=f"internal error: {error!r}",
-                    code=INTERNAL,
-                )
+                logger.exception("read of slots %s crashed", [job.load.slot for job in jobs])
+                replies = [
+                    Loaded(
+                        slot=job.load.slot,
+                        generation=job.load.generation,
+                        ok=False,
+                        error=f"internal error: {error!r}",
+                        code=INTERNAL,
+                    )
+                    for job in jobs
+                ]
             with self._lock:
-                del self._jobs[job.load.slot]
-                self._done.append(reply)
-                self._count(reply)
+                for job, reply in zip(jobs, replies):
+                    del self._jobs[job.load.slot]
+                    self._done.append(reply)
+                    self._count(reply)
             self._notify()
 
     def _count(self, reply: Loaded) -> None:
@@ -236,33 +271,46 @@ class LoadEngine:
         self.counters.bytes += reply.bytes
         self.counters.service_ms += reply.service_ms
 
-    def _run(self, job: _Job) -> Loaded:
-        load = job.load
+    def _run(self, jobs: list[_Job]) -> list[Loaded]:
+        """Read every job's segments in one native call; each job's reply."""
         if self._delay_s:
             time.sleep(self._delay_s)
         started = time.monotonic()
-        ops = [self._files[s.file].op(s.offset, s.length, s.destination) for s in load.segments]
-        view = self._slab.slot_view(load.slot)
+        slot_bytes = self._slab.slot_bytes
+        first = min(job.load.slot for job in jobs)
+        ops = [
+            self._files[s.file].op(s.offset, s.length, (job.load.slot - first) * slot_bytes + s.destination)
+            for job in jobs
+            for s in job.load.segments
+        ]
+        view = self._slab.slots_view(first, max(job.load.slot for job in jobs) - first + 1)
         pool = self._pool
         assert pool is not None, "reader threads stop before the pool closes"
         try:
             results = pool.read(view, ops, block_size=self._block_size)
         except ValueError as error:  # alignment or overlap refused before any read
-            return Loaded(
-                slot=load.slot,
-                generation=load.generation,
-                ok=False,
-                error=f"segment layout refused (op i is segment i): {error}",
-                code=BAD_REQUEST,
-            )
+            if len(jobs) > 1:  # read each on its own, so that a refusal is the refused load's alone
+                return [reply for job in jobs for reply in self._run([job])]
+            load = jobs[0].load
+            message = f"segment layout refused (op i is segment i): {error}"
+            return [Loaded(slot=load.slot, generation=load.generation, ok=False, error=message, code=BAD_REQUEST)]
         finally:
             view.release()
         finished = time.monotonic()
-        fallback = sum(1 for s in load.segments if self._files[s.file].fell_back)
         with self._lock:
             self.counters.read_ops += len(results)
             self.counters.read_bytes += sum(r.transferred for r in results)
-            self.counters.fallback_ops += fallback
+            self.counters.fallback_ops += sum(self._files[s.file].fell_back for job in jobs for s in job.load.segments)
+        replies, at = [], 0
+        for job in jobs:
+            count = len(job.load.segments)
+            replies.append(self._loaded(job, results[at : at + count], started, finished))
+            at += count
+        return replies
+
+    def _loaded(self, job: _Job, results: Sequence[ReadResult], started: float, finished: float) -> Loaded:
+        """The reply for one load of a read: its first failed segment, or success."""
+        load = job.load
         common = dict(
             slot=load.slot,
             generation=load.generation,

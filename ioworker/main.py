@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
@@ -51,6 +52,7 @@ from shared.scheduling import enter_helper_scheduling
 from shared.slab import Slab
 from shared.sockets import open_socket
 
+_T = TypeVar("_T")
 logger = logging.getLogger("ioworker")
 
 EXIT_OK, EXIT_SETUP_FAILED = 0, 1
@@ -132,41 +134,57 @@ class _Server:
         self.send(error_frame(code, message))
 
     def handle(self, frame: bytes) -> None:
+        self.handle_message([frame])
+
+    def handle_message(self, frames: list[bytes]) -> None:
+        """Serve each frame of a message in order (one command each); the loads of a run of
+        load frames are read together (`LoadEngine.submit_many`)."""
+        if len(frames) > MAX_FRAMES:
+            self.bad("bad_frame", f"expected at most {MAX_FRAMES} frames per message, got {len(frames)}")
+            return
+        loads: list[Load] = []
+        for frame in frames:
+            command = self._decoded(frame)
+            if command is None:
+                continue
+            if isinstance(command, Load):
+                loads.append(command)
+                continue
+            self._guarded(self._submit, loads)  # before a cancel that may name one of them
+            loads = []
+            self._guarded(self._serve, command)
+        self._guarded(self._submit, loads)
+
+    def _decoded(self, frame: bytes) -> object | None:
+        """The frame's command, or None once refused."""
         try:
-            self._handle(frame)
+            return decode(frame, WORKER_COMMANDS)
+        except ProtocolError as error:
+            self.bad(error.code, error.message)
+        except Exception as error:  # bad input must never kill the worker
+            logger.exception("command failed")
+            self.bad(INTERNAL, f"command failed: {error!r}")
+        return None
+
+    def _guarded(self, serve: Callable[[_T], None], argument: _T) -> None:
+        try:
+            serve(argument)
         except Exception as error:  # bad input must never kill the worker
             logger.exception("command failed")
             self.bad(INTERNAL, f"command failed: {error!r}")
 
-    def handle_message(self, frames: list[bytes]) -> None:
-        """Serve each frame of a message in order (one command each)."""
-        if len(frames) > MAX_FRAMES:
-            self.bad("bad_frame", f"expected at most {MAX_FRAMES} frames per message, got {len(frames)}")
+    def _submit(self, loads: list[Load]) -> None:
+        if not loads:
             return
-        for frame in frames:
-            self.handle(frame)
+        for load, error in self.engine.submit_many(loads):
+            self.bad_commands += 1
+            message = f"load of slot {load.slot} generation {load.generation} refused: {error}"
+            logger.warning("%s", message)
+            reply = Loaded(slot=load.slot, generation=load.generation, ok=False, error=message, code=BAD_REQUEST)
+            self.send(encode(reply))
 
-    def _handle(self, frame: bytes) -> None:
-        try:
-            command = decode(frame, WORKER_COMMANDS)
-        except ProtocolError as error:
-            self.bad(error.code, error.message)
-            return
-        if isinstance(command, Load):
-            try:
-                self.engine.submit(command)
-            except LoadRefused as error:
-                self.bad_commands += 1
-                message = f"load of slot {command.slot} generation {command.generation} refused: {error}"
-                logger.warning("%s", message)
-                self.send(
-                    encode(
-                        Loaded(
-                            slot=command.slot, generation=command.generation, ok=False, error=message, code=BAD_REQUEST
-                        )
-                    )
-                )
-        elif isinstance(command, Cancel):
+    def _serve(self, command: object) -> None:
+        if isinstance(command, Cancel):
             reply = self.engine.cancel(command.slot, command.generation)
             if reply is not None:
                 self.send(encode(reply))

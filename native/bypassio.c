@@ -23,15 +23,16 @@
  * Linux AIO: a Pool made with aio=True keeps one kernel AIO context per
  * thread and runs a call's direct reads (those not staged) from the calling
  * thread: one io_submit for all of them and io_getevents until every one is
- * in, instead of one pool thread and one blocking pread per range. A load of
- * nine ranges then wakes the caller about once, not nine pool threads each
- * sleeping in its own read; on a host whose cores also compute, each wake-up
- * is time taken from the computation. A read the kernel returns short or
- * failed is read again with pread (which reports end of file and errors as
- * the pool does), a range it refuses to queue is read with pread at once, and
- * a call that finds every context busy runs on the threads; the counters say
- * how often. Without io_setup (macOS, a refused syscall) every read runs on
- * the threads, and the pool says why (`aio` attribute).
+ * in (one wake-up for all of them), instead of one pool thread and one blocking
+ * pread per range. A load of nine ranges then wakes the caller once, not nine
+ * pool threads each sleeping in its own read; on a host whose cores also
+ * compute, each wake-up is time taken from the computation. A read the
+ * kernel returns short or failed is read again with pread (which reports end
+ * of file and errors as the pool does), a range it refuses to queue is read
+ * with pread at once, and a call that finds every context busy runs on the
+ * threads; the counters say how often. Without io_setup (macOS, a refused
+ * syscall) every read runs on the threads, and the pool says why (`aio`
+ * attribute).
  *
  * Alignment contract (checked in every mode, so a layout that works buffered
  * also works direct): the region address is a multiple of the block size,
@@ -459,7 +460,10 @@ static int aio_run(aio_context_t ctx, int depth, op_t **ops, Py_ssize_t n, int64
             }
         }
         while (pending > 0) {
-            long got = syscall(SYS_io_getevents, ctx, 1L, (long)pending, events, NULL);
+            /* min_nr = every range still pending: since Linux 6.7 the kernel wakes the waiter only
+             * once that many are in (before, at each completion: the same result, more wake-ups).
+             * With min_nr 1 a load of nine ranges woke this thread about once per range. */
+            long got = syscall(SYS_io_getevents, ctx, (long)pending, (long)pending, events, NULL);
             if (got < 0 && errno == EINTR) continue;
             if (got < 0) {
                 /* Cannot happen with a context of ours; if it does, io_destroy waits for what is in

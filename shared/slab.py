@@ -176,6 +176,13 @@ class Slab:
         offset = self.slot_offset(slot)
         return memoryview(self._mapped())[offset : offset + self.slot_bytes]
 
+    def slots_view(self, first: int, count: int) -> memoryview:
+        """A writable memoryview of `count` consecutive slots from `first`; release it before `close()`."""
+        offset = self.slot_offset(first)
+        if count < 1 or first + count > self.total_slots:
+            raise ValueError(f"slots [{first}, {first + count}) are not within the slab's {self.total_slots} slots")
+        return memoryview(self._mapped())[offset : offset + count * self.slot_bytes]
+
     def prefault(self) -> None:
         """Allocate every page of the segment now."""
         if self._fd is not None and hasattr(os, "posix_fallocate"):

@@ -117,6 +117,7 @@ def test_cancel_and_in_flight_loads(tmp_path):
             ) as pool:
                 backend = pool.backend
                 backend.submit_segments(0, 1, segments)  # in flight for a second
+                await asyncio.sleep(0.05)  # a load of the same turn would go in the same message: one read
                 backend.submit_segments(1, 2, segments)  # queued behind it
                 await asyncio.sleep(0.05)
                 backend.cancel(1, 2)

@@ -306,8 +306,9 @@ def test_cancel_drops_a_queued_load_and_in_flight_ones_still_reply(coordinator):
 def test_a_message_of_several_commands_serves_each_and_replies_ready_together_go_as_one(coordinator):
     """A prefetch wave's loads come as one message; a bad frame in it is refused on its own."""
     coord = coordinator(queue_depth=1, test_read_delay_ms=1000)
-    loads = [good_load(slot, 10 + slot) for slot in range(3)]  # slot 0 reads, 1 and 2 queue behind it
-    coord.sock.send_multipart([coord.identity, *map(encode, loads[:2]), b"\x93garbage", encode(loads[2])])
+    loads = [good_load(slot, 10 + slot) for slot in range(3)]
+    coord.send(loads[0])  # slot 0 reads; the next message's loads queue behind it
+    coord.sock.send_multipart([coord.identity, encode(loads[1]), b"\x93garbage", encode(loads[2])])
     refused = coord.expect(ErrorReply, timeout=0.8)
     assert refused.code == "bad_frame" and "not msgpack" in refused.message
     time.sleep(0.1)
@@ -325,6 +326,43 @@ def test_a_message_of_several_commands_serves_each_and_replies_ready_together_go
     assert too_many.code == "bad_frame" and f"at most {MAX_FRAMES} frames" in too_many.message
     coord.send(good_load(1, 20))  # and it serves on
     assert coord.expect(Loaded).ok
+
+
+def test_the_loads_of_one_message_are_one_read_answered_together(coordinator, files, slab):
+    """One reader, one native call (a load's ranges and its neighbours' go to the kernel at once),
+    the replies in one message; a load the native layer refuses is refused alone."""
+    coord = coordinator(queue_depth=2)
+    _, blobs = files
+    spread = [
+        Load(slot=3, generation=3, segments=(ExpertIOSegment(0, 12345, 20000, 12345 % 4096),)),
+        Load(slot=0, generation=4, segments=(ExpertIOSegment(1, 77, 5, 40960 + 77), ExpertIOSegment(0, 9, 9, 9))),
+        Load(slot=2, generation=5, segments=(ExpertIOSegment(1, FILE_SIZE - 3, 3, (FILE_SIZE - 3) % 4096),)),
+    ]
+    coord.sock.send_multipart([coord.identity, *map(encode, spread)])
+    before = coord.messages
+    replies = [coord.expect(Loaded) for _ in spread]
+    assert coord.messages == before + 1
+    assert [(r.slot, r.generation, r.ok, r.bytes) for r in replies] == [
+        (3, 3, True, 20000),
+        (0, 4, True, 14),
+        (2, 5, True, 3),
+    ]
+    assert len({r.service_ms for r in replies}) == 1  # one read
+    for load in spread:
+        assert_landed(slab, load.slot, load.segments, blobs)
+    coord.send(TelemetryRequest())
+    telemetry = coord.expect(WorkerTelemetry)
+    assert (telemetry.loads, telemetry.read_ops, telemetry.bytes) == (3, 4, 20017)
+    if HAVE_AIO and all(mode == "direct" for mode in coord.modes):
+        assert telemetry.aio_ranges == 4 and telemetry.aio_busy == 0
+    # Rounded to whole blocks, the first segment would overwrite the second's bytes: the native
+    # layer refuses the call, and each load is read again on its own.
+    clash = Load(slot=1, generation=6, segments=(ExpertIOSegment(0, 0, 10, 0), ExpertIOSegment(1, 100, 10, 100)))
+    coord.sock.send_multipart([coord.identity, encode(good_load(0, 7)), encode(clash), encode(good_load(3, 8))])
+    replies = sorted((coord.expect(Loaded) for _ in range(3)), key=lambda r: r.slot)
+    assert [(r.slot, r.ok, r.code) for r in replies] == [(0, True, None), (1, False, "bad_request"), (3, True, None)]
+    assert "segment layout refused" in replies[1].error and "overlap" in replies[1].error
+    assert_landed(slab, 3, good_load(3, 8).segments, blobs)
 
 
 def test_hints_are_served_and_reported(coordinator):

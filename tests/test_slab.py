@@ -69,6 +69,20 @@ def test_attach_sees_the_same_bytes_and_does_not_unlink():
             owner.slot_view(2)
 
 
+def test_a_view_of_consecutive_slots_spans_exactly_them():
+    with Slab.create(total_slots=4, slot_bytes=SLOT) as slab:
+        view = slab.slots_view(1, 2)
+        assert len(view) == 2 * SLOT
+        view[SLOT : SLOT + 3] = b"abc"  # the second slot of the view is slot 2
+        view.release()
+        second = slab.slot_view(2)
+        assert bytes(second[:3]) == b"abc"
+        second.release()
+        for first, count in ((3, 2), (0, 0), (4, 1), (-1, 1)):
+            with pytest.raises(ValueError):
+                slab.slots_view(first, count)
+
+
 def test_attach_to_a_missing_segment_fails():
     with pytest.raises(posix_ipc.ExistentialError):
         Slab.attach(new_slab_name(), total_slots=1, slot_bytes=SLOT)
