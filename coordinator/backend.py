@@ -291,9 +291,9 @@ class IOWorkerBackend:
         return record
 
     def _place(self, slot: int, load: _Load) -> None:
-        """Queue `load` for the least busy live worker it has not failed to reach (sent with the
+        """Queue `load` for a live worker it has not failed to reach (`worker_for_load`: with the
         others of this turn of the event loop), or park it; BackendStateError if neither."""
-        worker = self._sessions.least_busy(load.avoid)
+        worker = self._sessions.worker_for_load(load.avoid)
         if worker is None:  # a load parked before keeps its first deadline
             if not (self._grace > 0 and self._sessions.started):  # no restarted worker will take it
                 raise BackendStateError("no I/O worker is ready")

@@ -7,7 +7,8 @@ with its hello; the psutil handle remembers the start time, so a reused pid does
 or by `worker_lost()`. What a worker owes is its `outstanding` set of (slot, generation) loads:
 the sessions tell the slot side (`coordinator.backend.IOWorkerBackend`) about completions,
 readiness, losses and undelivered loads through callbacks and never touch a slot themselves.
-Loads are queued and sent once per turn of the event loop, a worker's in one message.
+Loads are queued and sent once per turn of the event loop, a worker's in one message, and a turn's
+loads go to one worker (`worker_for_load`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import psutil
 import zmq
 import zmq.asyncio
 
+from coordinator.io_hints import HintTotals
 from coordinator.io_results import BackendStateError, IOWorkerStartError
 from coordinator.liveness import ProgressDeadline, kill_hung
 from coordinator.residency_backend import ExpertIOHintSnapshot
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from shared.children import ChildProcess
 
 logger = logging.getLogger("coordinator.backend")
+
+TURN_LOADS = 32  # a turn's loads one worker takes before the next takes the rest (a prefill's waves)
 
 WATCH_INTERVAL_S = 0.1
 
@@ -125,9 +129,7 @@ class IOWorkerSessions:
         self._receiver: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.counts = dict(bad_replies=0, worker_errors=0, workers_lost=0, workers_hung=0)
-        self._hint_local = dict(submitted=0, dropped=0, errors=0)
-        # Hint counters of workers that were replaced, so the totals never go backwards.
-        self._retired_hints = dict(completed=0, dropped=0, operations=0, bytes=0, errors=0)
+        self._hints = HintTotals()
         self._next = 0
         self.started = False  # every expected worker was ready once
         self.closed = False
@@ -181,11 +183,17 @@ class IOWorkerSessions:
     def live(self, exclude: set[int] | None = None) -> list[WorkerSession]:
         return [w for w in self.workers.values() if w.ready and not w.lost and w.index not in (exclude or ())]
 
-    def least_busy(self, exclude: set[int] | None = None) -> WorkerSession | None:
-        """The live worker with the fewest loads in flight (ties rotate so equal workers share); None if none."""
+    def worker_for_load(self, exclude: set[int] | None = None) -> WorkerSession | None:
+        """Where a load goes: the live worker already taking this turn's loads while it has fewer
+        than TURN_LOADS (they go as one message, which the worker reads as one: a wave's wake-ups
+        once, not once per worker), else the one with the fewest loads in flight (ties rotate so
+        equal workers share); None if none."""
         live = self.live(exclude)
         if not live:
             return None
+        for worker in live:
+            if 0 < len(worker.outbox) < TURN_LOADS:
+                return worker
         self._next += 1
         return min(live, key=lambda w: (len(w.outstanding), (w.index - self._next) % len(self.workers)))
 
@@ -293,32 +301,22 @@ class IOWorkerSessions:
             raise BackendStateError("no I/O worker is ready")
         worker = min(live, key=WorkerSession.hints_outstanding)
         if worker.hints_outstanding() >= self._hint_capacity:
-            self._hint_local["dropped"] += 1
+            self._hints.dropped += 1
             return False
         if not self.send(worker, Hint(segments=segments), required=False):
-            self._hint_local["errors"] += 1
+            self._hints.errors += 1
             return False
         worker.hints_sent += 1
-        self._hint_local["submitted"] += 1
+        self._hints.submitted += 1
         return True
 
     def hint_telemetry(self) -> ExpertIOHintSnapshot:
-        """Cumulative hint counters: submitted counts messages sent here, dropped both this side's
-        refusals and the workers' queue drops."""
+        """Cumulative hint counters (`HintTotals.snapshot`)."""
         live = [w for w in self.workers.values() if not w.lost]
-        statuses = [w.hint_status for w in self.workers.values()]
-        outstanding = sum(w.hints_outstanding() for w in live)
-        in_flight = sum(w.hint_status.in_flight for w in live)
-        retired = self._retired_hints
-        return ExpertIOHintSnapshot(
-            submitted=self._hint_local["submitted"],
-            completed=retired["completed"] + sum(s.completed for s in statuses),
-            dropped=retired["dropped"] + self._hint_local["dropped"] + sum(s.dropped for s in statuses),
-            operations=retired["operations"] + sum(s.operations for s in statuses),
-            bytes=retired["bytes"] + sum(s.bytes for s in statuses),
-            errors=retired["errors"] + self._hint_local["errors"] + sum(s.errors for s in statuses),
-            queue_depth=max(0, outstanding - in_flight),
-            in_flight=in_flight,
+        return self._hints.snapshot(
+            (w.hint_status for w in self.workers.values()),
+            outstanding=sum(w.hints_outstanding() for w in live),
+            in_flight=sum(w.hint_status.in_flight for w in live),
         )
 
     # ------------------------------------------------------------ replies
@@ -432,8 +430,7 @@ class IOWorkerSessions:
             return
         if previous is not None:
             self._by_identity.pop(previous.identity, None)  # a restarted worker after worker_lost()
-            for name in self._retired_hints:
-                self._retired_hints[name] += getattr(previous.hint_status, name)
+            self._hints.retire(previous.hint_status)
             logger.info("I/O worker %d: pid %d replaces lost pid %d", hello.index, hello.pid, previous.pid)
         worker = WorkerSession(index=hello.index, identity=identity, pid=hello.pid, process=_process(hello.pid))
         self.workers[hello.index] = worker
@@ -442,6 +439,7 @@ class IOWorkerSessions:
 
 
 __all__ = [
+    "TURN_LOADS",
     "WATCH_INTERVAL_S",
     "IOWorkerSessions",
     "SessionEvents",

@@ -367,8 +367,9 @@ def test_loads_a_live_worker_could_not_be_sent_go_to_another(tmp_path, caplog):
             try:
                 workers[0].sock.close()  # this process (its pid) still runs
                 await asyncio.sleep(0.2)  # ZeroMQ's I/O thread sees the connection close
-                for slot in range(2):  # the least busy rotation queues one of them for worker 0
+                for slot in range(2):  # one turn each: the second goes to the worker the first did not
                     backend.submit_segments(slot, 1, SEGMENTS)
+                    await asyncio.sleep(0.01)
                 got = await workers[1].message()
                 got += [] if len(got) == 2 else await workers[1].message()
                 assert sorted(load.slot for load in got) == [0, 1]

@@ -28,6 +28,7 @@ import pytest
 
 from coordinator.io_pool import IOWorkerPool
 from coordinator.io_results import ExpertLoadError
+from coordinator.io_sessions import TURN_LOADS
 from coordinator.usage import ExpertUsageLedger
 from shared.children import spawn_child, stop_children
 from shared.client import Client, JobFailedError
@@ -86,7 +87,8 @@ def test_a_lost_workers_loads_are_resubmitted_to_a_live_one(tmp_path):
             ) as pool:
                 backend = pool.backend
                 backend.submit_segments(0, 1, (ExpertIOSegment(0, 0, SLOT, 0),))
-                backend.submit_segments(1, 1, (ExpertIOSegment(0, SLOT, SLOT, 0),))  # one per worker
+                await asyncio.sleep(0.05)  # a turn's loads go to one worker; the next turn's to the other
+                backend.submit_segments(1, 1, (ExpertIOSegment(0, SLOT, SLOT, 0),))
                 await asyncio.sleep(0.2)
                 pool.processes[0].process.kill()
                 await asyncio.wait_for(asyncio.gather(backend.wait(0, 1), backend.wait(1, 1)), 20)
@@ -106,19 +108,20 @@ def test_a_worker_dead_before_the_watchdog_looks_is_skipped_not_fatal(tmp_path, 
     caplog.set_level(logging.WARNING, logger="coordinator.backend")
 
     async def scenario() -> None:
-        with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
+        slots = TURN_LOADS + 1  # more than one worker takes in a turn: both get some
+        with Slab.create(total_slots=slots, slot_bytes=SLOT) as slab:
             async with IOWorkerPool(slab=slab, manifest=[path], workers=2, io_mode="buffered") as pool:
                 backend = pool.backend
                 pool.processes[0].process.kill()
                 pool.processes[0].process.wait()  # blocking: neither watchdog runs meanwhile
                 time.sleep(0.2)  # but ZeroMQ's I/O thread sees the connection close
-                for slot in (0, 1):  # the least busy rotation sends one of them to worker 0
-                    backend.submit_segments(slot, 1, (ExpertIOSegment(0, slot * SLOT, SLOT, 0),))
-                await asyncio.wait_for(asyncio.gather(backend.wait(0, 1), backend.wait(1, 1)), 20)
+                for slot in range(slots):  # one turn: sent when this task next waits
+                    backend.submit_segments(slot, 1, (ExpertIOSegment(0, slot % 4 * SLOT, SLOT, 0),))
+                waits = (backend.wait(slot, 1) for slot in range(slots))
+                await asyncio.wait_for(asyncio.gather(*waits), 20)
                 assert backend.telemetry().failed == 0 and backend.telemetry().workers_lost == 1
-                assert (_slot(slab, 0, SLOT) == data[:SLOT]).all() and (
-                    _slot(slab, 1, SLOT) == data[SLOT : 2 * SLOT]
-                ).all()
+                for slot in range(slots):
+                    assert (_slot(slab, slot, SLOT) == data[slot % 4 * SLOT : (slot % 4 + 1) * SLOT]).all()
 
     asyncio.run(scenario())
     assert "I/O worker 0" in caplog.text and "unreachable" in caplog.text
