@@ -70,6 +70,7 @@ class _Job:
 
 @dataclass(slots=True)
 class LoadCounters:
+    reads: int = 0  # reads taken by a reader: the loads of a message, or one load
     loads: int = 0
     loads_failed: int = 0
     cancelled: int = 0
@@ -99,6 +100,15 @@ class LoadEngine:
         self._slab = slab
         self._delay_s = delay_s  # fault injection for tests: a load that stays in flight
         self._block_size = block_size
+        # Reading several slots as one region is safe only if no rounded range can leave its slot:
+        # the native layer bounds a range by the region, which is then more than the slot.
+        self.reads_together = slab.slot_bytes % block_size == 0
+        if not self.reads_together:
+            logger.warning(
+                "loads read one at a time: slots of %d bytes are no multiple of the block size %d",
+                slab.slot_bytes,
+                block_size,
+            )
         self._notify = notify
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}  # slot -> its one queued or running job
@@ -163,8 +173,9 @@ class LoadEngine:
                 job = _Job(load, time.monotonic())
                 self._jobs[load.slot] = job
             jobs.append(job)
-        if jobs:
-            self._queue.put(jobs)
+        for read in [jobs] if self.reads_together else [[job] for job in jobs]:
+            if read:
+                self._queue.put(read)
         return refused
 
     def _check(self, load: Load) -> None:
@@ -242,6 +253,7 @@ class LoadEngine:
                 jobs = [job for job in queued if job.state == "queued"]  # not cancelled while queued
                 for job in jobs:
                     job.state = "running"
+                self.counters.reads += bool(jobs)
             if not jobs:
                 continue
             try:

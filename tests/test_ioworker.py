@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from ioworker.engine import HintQueue
+from ioworker.engine import HintQueue, LoadEngine
 from ioworker.main import load_manifest
 from native import HAVE_AIO, BypassFile
 from native.staging import choose_staging
@@ -363,6 +363,37 @@ def test_the_loads_of_one_message_are_one_read_answered_together(coordinator, fi
     assert [(r.slot, r.ok, r.code) for r in replies] == [(0, True, None), (1, False, "bad_request"), (3, True, None)]
     assert "segment layout refused" in replies[1].error and "overlap" in replies[1].error
     assert_landed(slab, 3, good_load(3, 8).segments, blobs)
+
+
+@pytest.mark.parametrize("slots_of_16k, reads", [(4, 1), (3, 2)])
+def test_slots_no_multiple_of_the_block_are_read_one_load_at_a_time(files, caplog, slots_of_16k, reads):
+    """Rounded to a block of 32 KiB, a range near the end of a 48 KiB slot reaches into the next
+    slot: read alone, the slot bounds it (the native layer refuses it); read with its neighbour,
+    the region would not. So such slots are read one load at a time, and the worker says so."""
+    paths, _ = files
+    opened = [BypassFile.open(path, mode="buffered") for path in paths]
+    done = __import__("threading").Event()
+    with Slab.create(total_slots=2, slot_bytes=slots_of_16k * SLOT_ALIGNMENT) as slab:
+        engine = LoadEngine(files=opened, slab=slab, block_size=32768, queue_depth=2, notify=done.set)
+        try:
+            assert engine.reads_together == (reads == 1)
+            assert ("read one at a time" in caplog.text) == (reads == 2)
+            near_the_end = (ExpertIOSegment(0, 40960, 100, 40960),)
+            loads = [Load(slot=slot, generation=1, segments=near_the_end) for slot in (0, 1)]
+            assert engine.submit_many(loads) == []
+            replies = []
+            while len(replies) < 2:
+                assert done.wait(5)
+                done.clear()
+                replies += engine.completions()
+            assert engine.counters.reads == reads
+            # The mapping is page aligned, seldom 32 KiB aligned: these reads are mostly refused
+            # (the region's address); what matters here is how many reads there were.
+            assert sorted(reply.slot for reply in replies) == [0, 1]
+        finally:
+            engine.close()
+            for file in opened:
+                file.close()
 
 
 def test_hints_are_served_and_reported(coordinator):
