@@ -99,6 +99,7 @@ class IOWorkerBackend:
         self._slab = slab
         self._grace = float(replacement_grace_s)
         self._files = files
+        self._checked: dict[int, tuple[object, tuple]] = {}  # id -> (segments, checked); locations repeat
         events = SessionEvents(
             loaded=self._loaded,
             ready=self._worker_ready,
@@ -175,13 +176,25 @@ class IOWorkerBackend:
             raise StaleGenerationError(
                 f"submit into slot {slot} refused: generation {generation} is not newer than {record.generation}"
             )
-        checked = check_segments(segments, slot_bytes=self._slab.slot_bytes, manifest=self._files)
+        checked = self._check_once(segments)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         load = _Load(generation, -1, checked, future, time.monotonic())
         self._place(slot, load)  # BackendStateError (nothing changed) when no worker can take it
         record.phase, record.generation, record.consumer = "loading", generation, None
         record.load = load
         self._counts["submitted"] += 1
+
+    def _check_once(self, segments: Sequence[ExpertIOSegment]) -> tuple:
+        """`check_segments` once per tuple of frozen segments (kept alive here: its id stays its own)."""
+        known = self._checked.get(id(segments))
+        if known is not None and known[0] is segments:
+            return known[1]
+        checked = check_segments(segments, slot_bytes=self._slab.slot_bytes, manifest=self._files)
+        if isinstance(segments, tuple):
+            if len(self._checked) >= 1 << 16:  # a caller that builds new tuples each time: stay bounded
+                self._checked.clear()
+            self._checked[id(segments)] = (segments, checked)
+        return checked
 
     async def wait(self, slot: int, generation: int) -> None:
         """Resolve when the load finished; raise ExpertLoadError if it failed."""

@@ -70,14 +70,24 @@ class LeasePublisher:
             self.claim_wait_s += waited
         self.words.withdraw(slot, *key)
         self._published[slot] = None
+        if self._table is not None:  # matched again at the next sync, as a change of the table is
+            self._table.changed.add(slot)
 
     def sync(self) -> None:
-        """Publish every slot whose expert is ready and withdraw every other published slot."""
+        """Publish every slot whose expert is ready and withdraw every other published slot: the
+        ones the table says changed (`SlotTable.changed`: every slot, the first time) are matched
+        again; the others are as the last sync left them."""
         if self.words is None or self._table is None:
             return
-        lookup = self._table.lookup
-        for record in self._table.slots:
-            self._match(record, lookup)
+        table = self._table
+        for slot in table.take_changed():
+            self._match(table.slots[slot], table.lookup)
+
+    def stale(self) -> list[int]:
+        """Slots whose published entry is not what the table says (none after a sync; tests)."""
+        if self.words is None or self._table is None:
+            return []
+        return [r.id for r in self._table.slots if self._published[r.id] != self._key(r, self._table.lookup)]
 
     def landed(self, record: SlotRecord) -> None:
         """A read between two messages made `record`'s expert resident (a prefetch landed while its
@@ -86,14 +96,19 @@ class LeasePublisher:
         if self.words is not None and self._table is not None:
             self._match(record, self._table.lookup)
 
-    def _match(self, record: SlotRecord, lookup: dict[tuple[int, int], int]) -> None:
-        """Make the words' entry of one slot what the table says of it."""
-        assert self.words is not None
-        key = None
+    @staticmethod
+    def _key(record: SlotRecord, lookup: dict[tuple[int, int], int]) -> tuple[int, int] | None:
+        """What the words should say of `record`'s slot: its expert while ready and looked up."""
         if record.phase in ("ready", "leased") and record.layer is not None and record.expert_id is not None:
             candidate = (record.layer, record.expert_id)
             if lookup.get(candidate) == record.id:
-                key = candidate
+                return candidate
+        return None
+
+    def _match(self, record: SlotRecord, lookup: dict[tuple[int, int], int]) -> None:
+        """Make the words' entry of one slot what the table says of it."""
+        assert self.words is not None
+        key = self._key(record, lookup)
         now = self._published[record.id]
         if key == now:
             return

@@ -9,8 +9,8 @@ a layer's slot set and the working bank partition the live slots).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn
 
 from coordinator.residency_backend import ExpertResidencyBackend
 from coordinator.residency_types import ExpertResidencyLeaseEntry, ResidencyError
@@ -31,6 +31,44 @@ class SlotRecord:
     generation: int = 0
     last_use: int = 0
     prefetched: bool = False  # read by a prefetch and not yet leased by demand
+    changed: set[int] | None = field(default=None, repr=False)  # its table's `changed`
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in _WHAT_IS_PUBLISHED:
+            changed = getattr(self, "changed", None)  # not yet set while __init__ runs
+            if changed is not None:
+                changed.add(self.id)
+
+
+_WHAT_IS_PUBLISHED = frozenset(("phase", "layer", "expert_id"))  # what the lease words publish of a slot
+
+
+class _Lookup(dict[tuple[int, int], int]):
+    """The expert lookup, telling `changed` the slot an entry named before a change and after it:
+    those are the only slots whose published state the change can alter."""
+
+    __slots__ = ("changed",)
+
+    def __init__(self, changed: set[int]) -> None:
+        super().__init__()
+        self.changed = changed
+
+    def __setitem__(self, key: tuple[int, int], slot: int) -> None:
+        before = self.get(key)
+        if before is not None:
+            self.changed.add(before)
+        self.changed.add(slot)
+        super().__setitem__(key, slot)
+
+    def __delitem__(self, key: tuple[int, int]) -> None:
+        self.changed.add(self[key])
+        super().__delitem__(key)
+
+    def _untold(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("the expert lookup changes only by `lookup[key] = slot` and `del lookup[key]`")
+
+    pop = popitem = clear = update = setdefault = __ior__ = _untold  # type: ignore[assignment]
 
 
 def least_recent(record: SlotRecord) -> tuple[int, int]:
@@ -48,12 +86,22 @@ class SlotTable:
         self.slots: list[SlotRecord] = []
         self.working: set[int] = set()
         self.layer_slots: dict[int, set[int]] = {}
-        self.lookup: dict[tuple[int, int], int] = {}
+        # Slots whose phase, expert or lookup entry changed since the last `take_changed` (the lease
+        # publisher re-matches only those, not every slot, after each of the GPU worker's messages).
+        self.changed: set[int] = set()
+        self.lookup: dict[tuple[int, int], int] = _Lookup(self.changed)
 
     def new_slot(self, role: SlotRole, layer: int | None) -> SlotRecord:
-        record = SlotRecord(id=len(self.slots), role=role, layer=layer)
+        record = SlotRecord(id=len(self.slots), role=role, layer=layer, changed=self.changed)
+        self.changed.add(record.id)
         self.slots.append(record)
         return record
+
+    def take_changed(self) -> list[int]:
+        """The slots changed since the last call (`changed`), in order; forgets them."""
+        taken = sorted(self.changed)
+        self.changed.clear()
+        return taken
 
     def entry(self, record: SlotRecord, *, hit: bool) -> ExpertResidencyLeaseEntry:
         assert record.layer is not None and record.expert_id is not None

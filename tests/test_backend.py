@@ -384,6 +384,35 @@ def test_loads_a_live_worker_could_not_be_sent_go_to_another(tmp_path, caplog):
     assert "I/O worker 0" in caplog.text and "unreachable" in caplog.text
 
 
+def test_a_tuple_of_segments_is_checked_once_and_a_bad_one_every_time(tmp_path, monkeypatch):
+    """The store hands out the same location tuples again and again: checked once, they stay checked."""
+    import coordinator.backend as backend_module
+
+    calls = []
+    real = backend_module.check_segments
+    monkeypatch.setattr(backend_module, "check_segments", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+
+    async def scenario() -> None:
+        with Slab.create(total_slots=5, slot_bytes=SLOT) as slab:
+            backend, worker = await fake_backend(tmp_path, slab)
+            try:
+                backend.submit_segments(0, 1, SEGMENTS)
+                backend.submit_segments(1, 2, SEGMENTS)
+                backend.submit_segments(2, 3, list(SEGMENTS))  # a list may change: checked each time
+                backend.submit_segments(3, 4, list(SEGMENTS))
+                assert [type(s) for s in calls] == [tuple, list, list]
+                bad = (ExpertIOSegment(5, 0, 10, 0),)  # no file 5 in a manifest of 2
+                for _ in range(2):
+                    with pytest.raises(ValueError, match="file index 5"):
+                        backend.submit_segments(4, 9, bad)
+                assert calls[3:] == [bad, bad]
+            finally:
+                worker.sock.close()
+                await backend.aclose()
+
+    run(scenario())
+
+
 def test_slot_phases_refuse_writes_to_leased_or_loading_slots(tmp_path):
     async def scenario() -> None:
         with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:

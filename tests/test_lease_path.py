@@ -83,6 +83,7 @@ class _Side:
             await self._send_visited(end_step=False)
         reply = await self.service.handle(_wire(message))
         self.publisher.processed()
+        assert self.publisher.stale() == []  # the changed slots re-matched are all that changed
         self.sent += 1
         return reply
 
@@ -101,6 +102,7 @@ class _Side:
         assert reply == (None if fence is None else Fenced(lease_id=fence)), reply
         if fence is not None:
             self.publisher.processed()
+            assert self.publisher.stale() == []
             self.sent += 1
 
     async def visit(self, layer: int, rows: np.ndarray) -> None:
