@@ -19,7 +19,10 @@ What it changes and what it does not:
 
 Adaptive: when fewer than `MIN_USEFUL` of the routed experts were found staged over a window
 (a model whose routing the next layer's router does not predict), it stops, logs why and says
-so in the lease telemetry (`copy_ahead_stopped`).
+so in the lease telemetry (`copy_ahead` "stopped"). After `RETRY_VISITS` decode visits stopped
+it tries again for a window (`due`), and logs that: a verdict reached in a job's first tokens,
+when a streaming system has little resident yet, must not hold for the rest of its life (on the
+deep bench shape at 25% residency it stopped in the first warm-up job and never ran again).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 from gpuworker.stacking import StackBuffers, stack_into
 from shared.lease_words import LeaseWords
 
-__all__ = ["MIN_USEFUL", "UNSORTED_ROUTES", "WINDOW", "CopyAhead", "StagedSet"]
+__all__ = ["MIN_USEFUL", "RETRY_VISITS", "UNSORTED_ROUTES", "WINDOW", "CopyAhead", "StagedSet"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ SETS = 2  # one set read by the layer computing, one being filled for the next
 UNSORTED_ROUTES = 64
 WINDOW = 256  # routed experts per usefulness judgement
 MIN_USEFUL = 0.25  # share of routed experts found staged below which copying ahead stops
+RETRY_VISITS = 2048  # decode visits stopped before a new trial (a trial copies for one window)
 
 
 @dataclass(slots=True)
@@ -71,6 +75,8 @@ class CopyAhead:
         self._staged: StagedSet | None = None
         self._last_readers: dict[int, list[mx.array]] = {}  # tag -> outputs that read it last
         self.on = True
+        self.retries = 0  # trials started after a stop
+        self._stopped_visits = 0
         self._window_routed = 0
         self._window_used = 0
         self.reset_counters()
@@ -80,6 +86,19 @@ class CopyAhead:
         self.staged = 0  # experts copied ahead
         self.used = 0  # routed experts served from a staged set
         self.routed = 0  # routed experts of the visits a staged set served
+
+    def due(self) -> bool:
+        """Whether this decode visit copies the next layer's experts ahead: while on; stopped, once
+        every `RETRY_VISITS` visits, when a new trial starts (module docstring)."""
+        if self.on:
+            return True
+        self._stopped_visits += 1
+        if self._stopped_visits < RETRY_VISITS:
+            return False
+        self.on, self._stopped_visits = True, 0
+        self.retries += 1
+        logger.info("copy ahead: trying again after %d decode visits stopped", RETRY_VISITS)
+        return True
 
     def stage(self, layer: int, experts: Sequence[int]) -> tuple[int, float]:
         """Copy the resident ones of `experts` (predicted for sparse layer `layer`) into a set;

@@ -128,6 +128,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             and not self._in_parts(store.sparse_layers[0], range(top_k))
             else None
         )
+        self.copies_ahead = self._ahead is not None  # whether `stage` can copy predicted experts ahead
         self._acks: set[int] = set()  # fences sent by end_step(wait=False), `fenced` not read yet
         self._stats = LeaseCounters(wrap_path=self.wrap_path, lane_parts=[0] * self.compute_lanes)
         self._phase = DECODE
@@ -229,10 +230,8 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             result.append(visit_wave(visit, index, lambda index=index: self._load_next(visit, index)))
         return result
 
-    @property
-    def copies_ahead(self) -> bool:
-        """Whether `stage` copies predicted experts ahead (the copy path, until it stops itself)."""
-        return self._ahead is not None and self._ahead.on
+    def copy_ahead_due(self) -> bool:  # a decode visit stages (`CopyAhead.due`: stopped, tried now and then)
+        return self._ahead is not None and self._ahead.due()
 
     def stage(self, layer: int, experts: tuple[int, ...]) -> None:
         """Copy the resident ones of `experts`, predicted for sparse layer `layer`, while the layer

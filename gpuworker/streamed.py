@@ -296,7 +296,8 @@ class StreamedSwitch(nn.Module):
         # the provider copies those experts while this layer computes (copy ahead).
         predict = self.predict if indices.size == indices.shape[-1] else None
         sends = predict is not None and predict.switch.on  # off: this job does not prefetch (paused)
-        stages = predict is not None and getattr(self.provider, "copies_ahead", False)
+        due = getattr(self.provider, "copy_ahead_due", None)
+        stages = predict is not None and due is not None and due()
         if not (sends or stages):
             predict = None
         scores = predict.rank(x) if predict is not None else None

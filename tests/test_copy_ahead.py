@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuworker import copy_ahead as copy_ahead_module
-from gpuworker.copy_ahead import MIN_USEFUL, WINDOW, CopyAhead
+from gpuworker.copy_ahead import MIN_USEFUL, RETRY_VISITS, WINDOW, CopyAhead
 from gpuworker.expert_provider import LeasedWave
 from shared.lease_words import LeaseWords, lease_words_bytes
 from shared.store import SlotTensor
@@ -142,6 +142,27 @@ def test_it_stops_when_the_prediction_finds_too_little(caplog):
     assert served == WINDOW and MIN_USEFUL > 0
     assert "copy ahead stopped: 0% of the routed experts were staged" in caplog.text
     assert ahead.stage(LAYER, (0, 1)) == (0, 0.0) and ahead.take(LAYER) is None
+
+
+def test_stopped_it_tries_again_now_and_then(caplog):
+    """A verdict of a job's first tokens (little resident yet on a streaming system) must not hold
+    for good: after RETRY_VISITS decode visits stopped, a new trial copies for a window."""
+    caplog.set_level(logging.INFO, logger="gpuworker.copy_ahead")
+    resident = {e: e for e in range(12)}
+    _, _, ahead = _setup(resident)
+    while ahead.on:  # stopped: the prediction finds nothing
+        assert ahead.due()
+        ahead.stage(LAYER, (0, 1, 2, 3))
+        _serve(ahead, resident, [8, 9, 10, 11])
+    assert [ahead.due() for _ in range(RETRY_VISITS - 1)] == [False] * (RETRY_VISITS - 1)
+    assert not ahead.on and ahead.retries == 0
+    assert ahead.due() and ahead.on and ahead.retries == 1
+    assert f"copy ahead: trying again after {RETRY_VISITS} decode visits stopped" in caplog.text
+    for _ in range(WINDOW // 4):  # now the prediction is good: it stays on
+        assert ahead.due()
+        ahead.stage(LAYER, (8, 9, 10, 11))
+        _serve(ahead, resident, [8, 9, 10, 11])
+    assert ahead.on and ahead.retries == 1
 
 
 def test_a_useful_prediction_keeps_it_on():
