@@ -148,11 +148,6 @@ class LoadEngine:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, load: Load) -> None:
-        """Queue a load, or raise LoadRefused naming the offending value."""
-        for _, refusal in self.submit_many([load]):
-            raise refusal
-
     def submit_many(self, loads: Sequence[Load]) -> list[tuple[Load, LoadRefused]]:
         """Queue `loads` as one read (module docstring); the ones refused, each with its reason
         naming the offending value (the others are queued)."""

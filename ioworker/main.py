@@ -133,9 +133,6 @@ class _Server:
         logger.warning("refused command: %s", message)
         self.send(error_frame(code, message))
 
-    def handle(self, frame: bytes) -> None:
-        self.handle_message([frame])
-
     def handle_message(self, frames: list[bytes]) -> None:
         """Serve each frame of a message in order (one command each); the loads of a run of
         load frames are read together (`LoadEngine.submit_many`)."""
