@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("coordinator.backend")
 
-TURN_LOADS = 32  # a turn's loads one worker takes before the next takes the rest (a prefill's waves)
+TURN_LOADS = 16  # a turn's loads one worker takes before the next takes the rest: a decode wave stays whole,
+# a prefill's larger waves spread (one thread's io_submit pins and maps every range it submits)
 
 WATCH_INTERVAL_S = 0.1
 
