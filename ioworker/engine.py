@@ -43,6 +43,11 @@ class LoadRefused(ValueError):
     """A load or hint whose values this worker will not act on."""
 
 
+def load_failed(load: Load, error: str, code: str) -> Loaded:
+    """The reply to `load` when nothing of it was read (refused, cancelled, crashed)."""
+    return Loaded(slot=load.slot, generation=load.generation, ok=False, error=error, code=code)
+
+
 def _refuse_bad(
     segments: Sequence[ExpertIOSegment | ExpertIOHintSegment], files: Sequence[BypassFile], *, slot_bytes: int | None
 ) -> None:
@@ -189,7 +194,7 @@ class LoadEngine:
             job.state = CANCELLED
             del self._jobs[slot]
             self.counters.cancelled += 1
-        return Loaded(slot=slot, generation=generation, ok=False, error=CANCELLED, code=CANCELLED)
+        return load_failed(job.load, CANCELLED, CANCELLED)
 
     def completions(self) -> list[Loaded]:
         """Replies of loads finished since the last call."""
@@ -233,10 +238,7 @@ class LoadEngine:
             self._pool = None  # the native pool holds the staging buffer until it is freed
         if self.staging_buffer is not None:
             self.staging_buffer.close()
-        replies = [
-            Loaded(slot=load.slot, generation=load.generation, ok=False, error=CANCELLED, code=CANCELLED)
-            for load in cancelled
-        ]
+        replies = [load_failed(load, CANCELLED, CANCELLED) for load in cancelled]
         return replies + self.completions()
 
     def _reader(self) -> None:
@@ -255,16 +257,7 @@ class LoadEngine:
                 replies = self._run(jobs)
             except Exception as error:  # never lose a reply: the coordinator waits on it
                 logger.exception("read of slots %s crashed", [job.load.slot for job in jobs])
-                replies = [
-                    Loaded(
-                        slot=job.load.slot,
-                        generation=job.load.generation,
-                        ok=False,
-                        error=f"internal error: {error!r}",
-                        code=INTERNAL,
-                    )
-                    for job in jobs
-                ]
+                replies = [load_failed(job.load, f"internal error: {error!r}", INTERNAL) for job in jobs]
             with self._lock:
                 for job, reply in zip(jobs, replies):
                     del self._jobs[job.load.slot]
@@ -298,9 +291,7 @@ class LoadEngine:
         except ValueError as error:  # alignment or overlap refused before any read
             if len(jobs) > 1:  # read each on its own, so that a refusal is the refused load's alone
                 return [reply for job in jobs for reply in self._run([job])]
-            load = jobs[0].load
-            message = f"segment layout refused (op i is segment i): {error}"
-            return [Loaded(slot=load.slot, generation=load.generation, ok=False, error=message, code=BAD_REQUEST)]
+            return [load_failed(jobs[0].load, f"segment layout refused (op i is segment i): {error}", BAD_REQUEST)]
         finally:
             view.release()
         finished = time.monotonic()
@@ -418,4 +409,5 @@ __all__ = [
     "LoadCounters",
     "LoadEngine",
     "LoadRefused",
+    "load_failed",
 ]

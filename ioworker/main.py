@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import zmq
 
-from ioworker.engine import HintQueue, LoadEngine, LoadRefused, staging_for
+from ioworker.engine import HintQueue, LoadEngine, LoadRefused, load_failed, staging_for
 from native import BypassFile
 from shared.commands import IOWorkerArgs, parse_io_worker_argv
 from shared.io_messages import (
@@ -30,7 +30,6 @@ from shared.io_messages import (
     Hint,
     HintStatus,
     Load,
-    Loaded,
     Ready,
     Shutdown,
     TelemetryRequest,
@@ -52,7 +51,7 @@ from shared.scheduling import enter_helper_scheduling
 from shared.slab import Slab
 from shared.sockets import open_socket
 
-_T = TypeVar("_T")
+_T, _R = TypeVar("_T"), TypeVar("_R")
 logger = logging.getLogger("ioworker")
 
 EXIT_OK, EXIT_SETUP_FAILED = 0, 1
@@ -141,7 +140,7 @@ class _Server:
             return
         loads: list[Load] = []
         for frame in frames:
-            command = self._decoded(frame)
+            command = self._guarded(self._decoded, frame)
             if command is None:
                 continue
             if isinstance(command, Load):
@@ -158,17 +157,16 @@ class _Server:
             return decode(frame, WORKER_COMMANDS)
         except ProtocolError as error:
             self.bad(error.code, error.message)
-        except Exception as error:  # bad input must never kill the worker
-            logger.exception("command failed")
-            self.bad(INTERNAL, f"command failed: {error!r}")
-        return None
+            return None
 
-    def _guarded(self, serve: Callable[[_T], None], argument: _T) -> None:
+    def _guarded(self, serve: Callable[[_T], _R], argument: _T) -> _R | None:
+        """`serve(argument)`; None once an error it raised is answered (bad input never kills the worker)."""
         try:
-            serve(argument)
-        except Exception as error:  # bad input must never kill the worker
+            return serve(argument)
+        except Exception as error:
             logger.exception("command failed")
             self.bad(INTERNAL, f"command failed: {error!r}")
+            return None
 
     def _submit(self, loads: list[Load]) -> None:
         if not loads:
@@ -177,8 +175,7 @@ class _Server:
             self.bad_commands += 1
             message = f"load of slot {load.slot} generation {load.generation} refused: {error}"
             logger.warning("%s", message)
-            reply = Loaded(slot=load.slot, generation=load.generation, ok=False, error=message, code=BAD_REQUEST)
-            self.send(encode(reply))
+            self.send(encode(load_failed(load, message, BAD_REQUEST)))
 
     def _serve(self, command: object) -> None:
         if isinstance(command, Cancel):

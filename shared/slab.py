@@ -173,8 +173,7 @@ class Slab:
 
     def slot_view(self, slot: int) -> memoryview:
         """A writable memoryview of one slot; release it before `close()`."""
-        offset = self.slot_offset(slot)
-        return memoryview(self._mapped())[offset : offset + self.slot_bytes]
+        return self.slots_view(slot, 1)
 
     def slots_view(self, first: int, count: int) -> memoryview:
         """A writable memoryview of `count` consecutive slots from `first`; release it before `close()`."""
