@@ -31,10 +31,20 @@ memory since (`/proc/PID/status`: RssAnon + VmSwap, counters the kernel keeps). 
 exact for private anonymous memory, swapped or not (the heap, MLX's buffers, the KV cache:
 what grows, and what the copy path churns by 100+ MiB between two samples); only a change in
 file pages waits for the next full read. Off Linux every sample is a full read.
+
+Where the full reads run (`background_reads`): the coordinator samples between two tokens, in its
+event loop, so a full read there stalls the loop for the walk, and the GPU worker's next lease
+request (the first layer's, a miss in a streaming system) waits for it: 34-87 ms, every 5 s of
+decode, measured here. With `background_reads` a stale process is re-read on a thread of its own
+(`FullReads`; the read is a system call, so the loop runs meanwhile) and its estimate stands until
+the reading arrives. The first reading of a process and a `full` sample (the baseline) are read
+at once, in the caller's thread, as they must be.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -46,6 +56,8 @@ from shared.system_memory import ProcessMemory, descendant_pids, private_bytes, 
 
 DEFAULT_FULL_INTERVAL_S = 5.0
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class _Anchor:
@@ -54,6 +66,66 @@ class _Anchor:
     own: int
     private: int
     at: float
+
+
+class FullReads:
+    """Full reads of the processes asked for, on a thread of their own (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        read: Callable[[int], ProcessMemory],
+        probe: Callable[[int], int | None],
+        clock: Callable[[], float],
+    ) -> None:
+        self._read, self._probe, self._clock = read, probe, clock
+        self._lock = threading.Lock()
+        self._wanted: dict[int, None] = {}  # pids to read, in the order asked
+        self._done: dict[int, _Anchor] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="footprint-reads", daemon=True)
+        self._thread.start()
+
+    def request(self, pid: int) -> None:
+        """Read `pid` in full soon (once, however often it is asked for before the read)."""
+        with self._lock:
+            self._wanted[pid] = None
+        self._wake.set()
+
+    def take(self) -> dict[int, _Anchor]:
+        """The readings done since the last call."""
+        with self._lock:
+            done, self._done = self._done, {}
+        return done
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            with self._lock:
+                wanted, self._wanted = list(self._wanted), {}
+            for pid in wanted:
+                try:
+                    private = self._probe(pid)  # first: the anchor's move starts at the walk
+                    own = self._read(pid).own
+                except (psutil.Error, OSError):  # gone: the sampler finds that out itself
+                    continue
+                except Exception:  # a bug must not end the thread silently
+                    logger.exception("full read of pid %d failed", pid)
+                    continue
+                if private is None:
+                    continue
+                anchor = _Anchor(own, private, self._clock())
+                with self._lock:
+                    self._done[pid] = anchor
 
 
 class FootprintMeter:
@@ -71,6 +143,7 @@ class FootprintMeter:
         below: Callable[..., Iterable[int]] = descendant_pids,
         clock: Callable[[], float] = time.monotonic,
         full_interval_s: float = DEFAULT_FULL_INTERVAL_S,
+        background_reads: bool = False,
     ) -> None:
         self._slab, self._pids, self._read, self._below, self._clock = slab, pids, read, below, clock
         self._probe, self._full_interval = probe, full_interval_s
@@ -84,6 +157,12 @@ class FootprintMeter:
         self.job_peak = 0
         self.run_peak = 0
         self.baseline = 0  # the processes' bytes when the slab was sized (mark_baseline)
+        self._reads = FullReads(read=read, probe=probe, clock=clock) if background_reads else None
+
+    def close(self) -> None:
+        """End the background reads' thread, if any."""
+        if self._reads is not None:
+            self._reads.close()
 
     def sample(self, *, force: bool = False, full: bool = False) -> bool:
         """Measure every process now, unless the last sample is more recent than the interval
@@ -92,6 +171,11 @@ class FootprintMeter:
         if not force and self._last is not None and now - self._last < self._interval:
             return False
         self._last = now
+        if self._reads is not None:
+            for pid, anchor in self._reads.take().items():
+                if pid not in self._anchors or self._anchors[pid].at < anchor.at:
+                    self._anchors[pid] = anchor
+                    self.full_reads += 1
         current: dict[str, tuple[int, int]] = {}
         roles = self._pids()
         seen: set[int] = set()
@@ -122,8 +206,15 @@ class FootprintMeter:
         seen.add(pid)
         private = self._probe(pid)
         anchor = self._anchors.get(pid)
-        if not full and private is not None and anchor is not None and now - anchor.at < self._full_interval:
+        if not full and private is not None and anchor is not None:
+            if now - anchor.at >= self._full_interval:
+                if self._reads is None:
+                    return self._read_in_full(pid, now, private)
+                self._reads.request(pid)  # the estimate stands until the reading arrives
             return max(0, anchor.own + private - anchor.private)
+        return self._read_in_full(pid, now, private)
+
+    def _read_in_full(self, pid: int, now: float, private: int | None) -> int:
         own = self._read(pid).own
         self.full_reads += 1
         if private is not None:

@@ -148,6 +148,8 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
                 coordinator.shutdown()
                 await asyncio.sleep(0.05)  # linger is 0: let the last replies and shutdowns leave first
         finally:
+            if coordinator is not None:
+                coordinator.meter.close()
             for sock in sockets:  # every socket closed before the context is terminated
                 sock.close(linger=0)
             if io is not None:

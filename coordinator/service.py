@@ -114,6 +114,7 @@ class Coordinator:
             pids=self._roles,
             interval_s=config.footprint_interval_ms / 1e3,
             offset=config.test_footprint_offset_bytes,
+            background_reads=True,  # a page-table walk must not stall a lease request (coordinator.footprint)
         )
         self.publisher = LeasePublisher(words, claim_timeout_s=config.hang_timeout_s)
         metered = MeteredBackend(self.fence_checked, slab=slab, timer=self.timer, footprint=self.meter.footprint)
@@ -145,8 +146,7 @@ class Coordinator:
         )
         self.io_ready = False
         self.stopping = False
-        self._violations = 0
-        self._fallback_ops = 0
+        self._violations = self._fallback_ops = 0
 
     # ------------------------------------------------------------ tasks
 

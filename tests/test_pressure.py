@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -147,6 +148,67 @@ def test_a_process_is_read_in_full_every_interval_and_between_follows_its_anonym
         private.clear()  # no probe (off Linux, or gone): every sample reads in full
         clock.now = 5.3
         assert meter.sample() and len(reads) == 4
+
+
+def test_with_background_reads_a_stale_process_is_read_on_another_thread_and_its_estimate_stands_meanwhile():
+    """The coordinator samples in its event loop: a 37 ms walk there would stall the GPU worker's
+    next lease request. With `background_reads` a stale process is read on the meter's own thread
+    and its anonymous-move estimate stands until the reading arrives; a failed read changes nothing."""
+    with Slab.create(total_slots=1, slot_bytes=SLOT) as slab:
+        memory, private, clock, reads = {11: ProcessMemory(pss=100_000, shmem=0)}, {11: 5_000}, _Clock(), []
+        read_done, release = threading.Event(), threading.Event()
+
+        def read(pid: int) -> ProcessMemory:
+            reads.append(threading.current_thread().name)
+            if threading.current_thread().name == "footprint-reads":
+                assert release.wait(10)  # held until the test has sampled meanwhile
+                release.clear()
+                read_done.set()
+            if pid not in memory:
+                raise psutil.NoSuchProcess(pid)
+            return memory[pid]
+
+        meter = FootprintMeter(
+            slab=slab,
+            pids=lambda: {"gpu_worker": 11},
+            interval_s=0.1,
+            read=read,
+            probe=private.get,
+            below=lambda pid, skip: [],
+            clock=clock,
+            full_interval_s=5.0,
+            background_reads=True,
+        )
+        try:
+            assert meter.mark_baseline() == 100_000 and reads == ["MainThread"]  # the first reading: at once
+            private[11], memory[11] = 5_600, ProcessMemory(pss=100_650, shmem=0)  # 600 anonymous, 50 file bytes
+            clock.now = 5.1  # stale: asked for, not read here; the estimate stands
+            assert meter.sample() and meter.parts() == {"gpu_worker": 100_600} and reads == ["MainThread"]
+            clock.now = 5.3  # still reading: asked again, read once
+            assert meter.sample() and meter.parts() == {"gpu_worker": 100_600}
+            release.set()
+            assert read_done.wait(10)
+            read_done.clear()
+            deadline = time.monotonic() + 10
+            while meter.full_reads < 2 and time.monotonic() < deadline:  # merged by the next sample
+                clock.now += 0.2
+                meter.sample()
+                time.sleep(0.01)
+            assert meter.parts() == {"gpu_worker": 100_650} and reads == ["MainThread", "footprint-reads"]
+            assert meter.full_reads == 2
+            # A reading that fails (the process exits meanwhile) is dropped: the estimate stands.
+            del memory[11]
+            clock.now += 5.0
+            private[11] = 5_700
+            assert meter.sample() and meter.parts() == {"gpu_worker": 100_750}
+            release.set()
+            assert read_done.wait(10)
+            clock.now += 0.2
+            assert meter.sample() and meter.parts() == {"gpu_worker": 100_750} and meter.full_reads == 2
+        finally:
+            release.set()
+            meter.close()
+        assert not any(thread.name == "footprint-reads" for thread in threading.enumerate())
 
 
 def test_the_processes_a_process_started_are_found_down_to_its_grandchildren():
