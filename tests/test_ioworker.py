@@ -381,7 +381,7 @@ def test_slots_no_multiple_of_the_block_are_read_one_load_at_a_time(files, caplo
             near_the_end = (ExpertIOSegment(0, 40960, 100, 40960),)
             loads = [Load(slot=slot, generation=1, segments=near_the_end) for slot in (0, 1)]
             assert engine.submit_many(loads) == []
-            replies = []
+            replies = engine.completions()  # one read of both is small enough to be read inline
             while len(replies) < 2:
                 assert done.wait(5)
                 done.clear()
@@ -394,6 +394,61 @@ def test_slots_no_multiple_of_the_block_are_read_one_load_at_a_time(files, caplo
             engine.close()
             for file in opened:
                 file.close()
+
+
+def test_a_small_read_that_finds_the_readers_idle_is_read_on_the_calling_thread(files, slab, monkeypatch):
+    """No hand-off to a reader and no wake-up back (0.5 ms of a small expert's miss): the replies
+    are ready when `submit_many` returns. A larger read, or one that finds another load queued or
+    running, goes to a reader as before."""
+    paths, blobs = files
+    opened = [BypassFile.open(path, mode="buffered") for path in paths]
+    notified = __import__("threading").Event()
+    engine = LoadEngine(files=opened, slab=slab, block_size=4096, queue_depth=2, notify=notified.set)
+    try:
+        small = [
+            Load(slot=slot, generation=1, segments=(ExpertIOSegment(slot % 2, 4096 * slot, 300, 0),)) for slot in (0, 1)
+        ]
+        assert engine.submit_many(small) == []
+        replies = engine.completions()
+        assert sorted((r.slot, r.ok, r.bytes) for r in replies) == [(0, True, 300), (1, True, 300)]
+        assert (engine.counters.reads, engine.counters.inline_reads) == (1, 1) and not notified.is_set()
+        for load in small:
+            assert_landed(slab, load.slot, load.segments, blobs)
+
+        monkeypatch.setattr("ioworker.engine.INLINE_READ_BYTES", 299)  # now too large: a reader reads it
+        assert engine.submit_many([Load(slot=2, generation=2, segments=(ExpertIOSegment(0, 0, 300, 0),))]) == []
+        assert notified.wait(5) and [(r.slot, r.ok) for r in engine.completions()] == [(2, True)]
+        assert (engine.counters.reads, engine.counters.inline_reads) == (2, 1)
+        monkeypatch.undo()
+
+        # A small read behind a running one is queued too: the socket thread stays free for it.
+        release, entered = __import__("threading").Event(), __import__("threading").Event()
+        pool_read = engine._pool.read
+
+        def held_read(*args, **kwargs):
+            entered.set()
+            assert release.wait(5)
+            return pool_read(*args, **kwargs)
+
+        monkeypatch.setattr(engine._pool, "read", held_read)
+        notified.clear()
+        monkeypatch.setattr("ioworker.engine.INLINE_READ_BYTES", 299)
+        assert engine.submit_many([Load(slot=3, generation=3, segments=(ExpertIOSegment(1, 0, 300, 0),))]) == []
+        assert entered.wait(5)
+        monkeypatch.setattr("ioworker.engine.INLINE_READ_BYTES", 1 << 20)
+        assert engine.submit_many([Load(slot=0, generation=4, segments=(ExpertIOSegment(0, 0, 10, 0),))]) == []
+        assert engine.counters.inline_reads == 1 and engine.depth() == (1, 1)
+        release.set()
+        replies = []
+        while len(replies) < 2:
+            assert notified.wait(5)
+            notified.clear()
+            replies += engine.completions()
+        assert sorted((r.slot, r.ok) for r in replies) == [(0, True), (3, True)]
+    finally:
+        engine.close()
+        for file in opened:
+            file.close()
 
 
 def test_hints_are_served_and_reported(coordinator):
