@@ -111,6 +111,18 @@ def test_the_footprint_is_every_process_without_its_slab_share_plus_the_slab_onc
         assert "coordinator 60000" in meter.describe() and f"slab resident {SLOT}" in meter.describe()
 
 
+def _one_process_meter(slab: Slab, **options) -> FootprintMeter:
+    """A meter of one GPU worker (pid 11), sampled every 0.1 s and read in full every 5 s."""
+    return FootprintMeter(
+        slab=slab,
+        pids=lambda: {"gpu_worker": 11},
+        interval_s=0.1,
+        below=lambda pid, skip: [],
+        full_interval_s=5.0,
+        **options,
+    )
+
+
 def test_a_process_is_read_in_full_every_interval_and_between_follows_its_anonymous_bytes():
     """A full read walks the process's page tables (37 ms for a 3.3 GB GPU worker here): between
     two, the process's own share is its last full reading plus its anonymous move."""
@@ -121,16 +133,7 @@ def test_a_process_is_read_in_full_every_interval_and_between_follows_its_anonym
             reads.append(pid)
             return memory[pid]
 
-        meter = FootprintMeter(
-            slab=slab,
-            pids=lambda: {"gpu_worker": 11},
-            interval_s=0.1,
-            read=read,
-            probe=private.get,
-            below=lambda pid, skip: [],
-            clock=clock,
-            full_interval_s=5.0,
-        )
+        meter = _one_process_meter(slab, read=read, probe=private.get, clock=clock)
         assert meter.mark_baseline() == 100_000 and reads == [11]
         private[11], memory[11] = 5_600, ProcessMemory(pss=100_650, shmem=0)  # 600 anonymous, 50 file bytes more
         clock.now = 0.2
@@ -168,17 +171,7 @@ def test_with_background_reads_a_stale_process_is_read_on_another_thread_and_its
                 raise psutil.NoSuchProcess(pid)
             return memory[pid]
 
-        meter = FootprintMeter(
-            slab=slab,
-            pids=lambda: {"gpu_worker": 11},
-            interval_s=0.1,
-            read=read,
-            probe=private.get,
-            below=lambda pid, skip: [],
-            clock=clock,
-            full_interval_s=5.0,
-            background_reads=True,
-        )
+        meter = _one_process_meter(slab, read=read, probe=private.get, clock=clock, background_reads=True)
         try:
             assert meter.mark_baseline() == 100_000 and reads == ["MainThread"]  # the first reading: at once
             private[11], memory[11] = 5_600, ProcessMemory(pss=100_650, shmem=0)  # 600 anonymous, 50 file bytes
