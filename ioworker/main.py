@@ -146,7 +146,7 @@ class _Server:
             if isinstance(command, Load):
                 loads.append(command)
                 continue
-            self._guarded(self._submit, loads)  # before a cancel that may name one of them
+            self._guarded(self._submit_queued, loads)  # before a cancel that may name one of them
             loads = []
             self._guarded(self._serve, command)
         self._guarded(self._submit, loads)
@@ -168,10 +168,14 @@ class _Server:
             self.bad(INTERNAL, f"command failed: {error!r}")
             return None
 
-    def _submit(self, loads: list[Load]) -> None:
+    def _submit_queued(self, loads: list[Load]) -> None:
+        """Loads a command follows: queued for a reader, never read here before that command runs."""
+        self._submit(loads, inline=False)
+
+    def _submit(self, loads: list[Load], *, inline: bool = True) -> None:
         if not loads:
             return
-        for load, error in self.engine.submit_many(loads):
+        for load, error in self.engine.submit_many(loads, inline=inline):
             self.bad_commands += 1
             message = f"load of slot {load.slot} generation {load.generation} refused: {error}"
             logger.warning("%s", message)

@@ -414,11 +414,19 @@ def test_a_small_read_that_finds_the_readers_idle_is_read_on_the_calling_thread(
         assert (engine.counters.reads, engine.counters.inline_reads) == (1, 1) and not notified.is_set()
         for load in small:
             assert_landed(slab, load.slot, load.segments, blobs)
+        # Loads a command follows in their message (a cancel may name one) go to a reader.
+        assert (
+            engine.submit_many([Load(slot=3, generation=9, segments=(ExpertIOSegment(0, 0, 10, 0),))], inline=False)
+            == []
+        )
+        assert notified.wait(5) and [(r.slot, r.ok) for r in engine.completions()] == [(3, True)]
+        assert (engine.counters.reads, engine.counters.inline_reads) == (2, 1)
+        notified.clear()
 
         monkeypatch.setattr("ioworker.engine.INLINE_READ_BYTES", 299)  # now too large: a reader reads it
         assert engine.submit_many([Load(slot=2, generation=2, segments=(ExpertIOSegment(0, 0, 300, 0),))]) == []
         assert notified.wait(5) and [(r.slot, r.ok) for r in engine.completions()] == [(2, True)]
-        assert (engine.counters.reads, engine.counters.inline_reads) == (2, 1)
+        assert (engine.counters.reads, engine.counters.inline_reads) == (3, 1)
         monkeypatch.undo()
 
         # A small read behind a running one is queued too: the socket thread stays free for it.
