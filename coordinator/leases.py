@@ -40,6 +40,7 @@ class LeaseServiceStats:
     abandoned_waves: int = 0  # waves of a visit the worker ended before leasing them
     hits: int = 0
     misses: int = 0
+    decode_misses: int = 0  # of `misses`, those of one-row (decode) visits: what a prefetch could avoid
     loads: int = 0
     bytes_read: int = 0
     disk_p50_ms: float = 0.0
@@ -60,6 +61,7 @@ class LeaseServiceStats:
 class _Visit:
     layer: int
     waves: list[ExpertUnionWave]
+    decode: bool  # one route row: a decode step's visit (prefill and batches are not predicted)
     missed: bool = False
 
 
@@ -78,6 +80,7 @@ class _Counts:
     shared_visits: int = 0
     waves: int = 0
     abandoned_waves: int = 0
+    decode_misses: int = 0
     refused: int = 0
     baseline: tuple[int, int, int] = (0, 0, 0)  # evictions, pressure evictions, repin swaps
 
@@ -247,7 +250,7 @@ class LeaseService:
         # Validated: from here on the request is served (or fails for a reason that is not its own).
         if held is not None:
             self._release(held, ended=True)
-        visit = _Visit(layer, build_expert_batch_union(routes, self._working))
+        visit = _Visit(layer, build_expert_batch_union(routes, self._working), decode=routes.shape[0] == 1)
         self._open_visit(layer, routes, [expert for wave in visit.waves for expert in wave.expert_ids])
         return await self._acquire(visit, 0)
 
@@ -358,6 +361,7 @@ class LeaseService:
             abandoned_waves=counts.abandoned_waves,
             hits=telemetry.hits,
             misses=telemetry.misses,
+            decode_misses=counts.decode_misses,
             loads=telemetry.loads,
             bytes_read=telemetry.read_bytes,
             disk_p50_ms=telemetry.disk_service.p50_ms,
@@ -393,6 +397,8 @@ class LeaseService:
         hits = sum(entry.hit for entry in lease.entries)
         if hits != len(lease.entries):
             visit.missed = True
+            if visit.decode:
+                self._counts.decode_misses += len(lease.entries) - hits
         entries = lease.entries
         return Lease(
             lease_id=self._last_id,

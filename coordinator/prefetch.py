@@ -100,7 +100,8 @@ class PrefetchTelemetry:
         return self.predicted_routed / self.routed if self.routed else 0.0
 
     def recall(self, demand_misses: int) -> float:
-        """The share of would-be demand misses a prefetch avoided or shortened."""
+        """The share of would-be demand misses a prefetch avoided or shortened (`demand_misses`:
+        those of the visits it could have served, decode steps')."""
         avoided = self.useful + demand_misses
         return self.useful / avoided if avoided else 0.0
 

@@ -125,12 +125,14 @@ def job_stats(job: JobFigures) -> JobStats:
         baseline_bytes=job.baseline,
         processes_bytes=job.processes,
         slab_bytes=job.slab,
-        **prefetch_fields(job.prefetch, lease.misses),
+        **prefetch_fields(job.prefetch, lease.decode_misses),
     )
 
 
-def prefetch_fields(prefetch: PrefetchTelemetry, demand_misses: int) -> dict[str, object]:
-    """The `prefetch_*` fields of a `JobStats`."""
+def prefetch_fields(prefetch: PrefetchTelemetry, decode_misses: int) -> dict[str, object]:
+    """The `prefetch_*` fields of a `JobStats`. Recall is counted against the misses of decode
+    visits alone: prefill is never predicted, and its misses (a prompt's every expert, at once)
+    would drown the figure."""
     return dict(
         prefetch_predicted=prefetch.predicted,
         prefetch_issued=prefetch.issued,
@@ -138,7 +140,7 @@ def prefetch_fields(prefetch: PrefetchTelemetry, demand_misses: int) -> dict[str
         prefetch_wasted=prefetch.wasted,
         prefetch_bytes=prefetch.issued_bytes,
         prefetch_wasted_bytes=prefetch.wasted_bytes,
-        prefetch_recall=prefetch.recall(demand_misses),
+        prefetch_recall=prefetch.recall(decode_misses),
         prefetch_precision=prefetch.precision,
         prefetch_prediction_recall=prefetch.prediction_recall,
         prefetch_waits=prefetch.waits,
@@ -160,6 +162,7 @@ class _Sums:
     decode_ms: float = 0.0
     hits: int = 0
     misses: int = 0
+    decode_misses: int = 0
     visits: int = 0
     all_resident_visits: int = 0
     shared_visits: int = 0
@@ -204,6 +207,7 @@ class RunTotals:
             sums.generated += job.relayed_tokens
         sums.hits += lease.hits
         sums.misses += lease.misses
+        sums.decode_misses += lease.decode_misses
         sums.visits += lease.visits
         sums.all_resident_visits += lease.all_resident_visits
         sums.shared_visits += lease.shared_visits
@@ -256,7 +260,7 @@ class RunTotals:
             baseline_bytes=meter.baseline,
             processes_bytes=meter.processes_bytes(),
             slab_bytes=meter.slab_bytes(),
-            **prefetch_fields(sums.prefetch, sums.misses),
+            **prefetch_fields(sums.prefetch, sums.decode_misses),
         )
 
 

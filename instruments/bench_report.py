@@ -203,7 +203,7 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
         if prefetch.get("issued_per_token") or prefetch.get("steps_without"):
             lines.append(
                 f"  prefetch ({prefetch['mode']}): prediction recall {prefetch['prediction_recall']:.3f} of the "
-                f"routed experts; recall {prefetch['recall']:.3f} of would-be misses, precision "
+                f"routed experts; recall {prefetch['recall']:.3f} of would-be decode misses, precision "
                 f"{prefetch['precision']:.3f}; per token {prefetch['issued_per_token']:.2f} reads "
                 f"({prefetch['bytes_per_token'] / MB:.1f} MB), {prefetch['useful_per_token']:.2f} useful, "
                 f"{prefetch['wasted_per_token']:.2f} wasted; demand waited on {prefetch['waits_per_token']:.2f} "

@@ -146,7 +146,9 @@ class JobStats:
     prefetch_wasted: int = 0  # ... evicted, cancelled or failed first
     prefetch_bytes: int = 0  # bytes the prefetch reads issued
     prefetch_wasted_bytes: int = 0
-    prefetch_recall: float = 0.0  # useful / (useful + demand misses): the misses prefetch avoided or shortened
+    # useful / (useful + decode visits' demand misses): the share of decode misses prefetch avoided or
+    # shortened (prefill is never predicted: its misses are not counted)
+    prefetch_recall: float = 0.0
     prefetch_precision: float = 0.0  # useful / issued
     prefetch_prediction_recall: float = 0.0  # share of a predicted layer's decode selections the prediction named
     prefetch_waits: int = 0  # demand leases that waited for a prefetch read in flight

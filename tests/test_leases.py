@@ -14,9 +14,10 @@ from coordinator import leases as leases_module
 from coordinator.fence_checks import SCRIBBLE, FenceCheckedBackend, with_fence_checks
 from coordinator.leases import LOAD_FAILED, LeaseService
 from coordinator.memory_backend import InMemoryBackend
-from coordinator.prefetch import PrefetchBook
+from coordinator.prefetch import PrefetchBook, PrefetchTelemetry
 from coordinator.prefetch_trial import StepTrial
 from coordinator.residency import ExpertResidencyManager
+from coordinator.stats import prefetch_fields
 from coordinator.usage import ExpertUsageLedger
 from shared.gpu_messages import COORDINATOR_ACCEPTS_FROM_GPU, Fence, Fenced, Lease, Prefetch, RouteMatrix, Routes
 from shared.plan import plan_expert_residency
@@ -234,6 +235,21 @@ async def test_job_stats():
     # the next job starts from zero
     service.begin_job()
     assert service.end_job().visits == 0
+
+
+@run_async
+async def test_decode_misses_leave_out_the_prompts_visits():
+    """Prefetch recall is counted against decode visits' misses alone: prefill is never predicted,
+    and its misses (every expert a prompt routes to) would drown the figure."""
+    service, _manager, _ = make(working=4, per_layer=4)
+    service.begin_job()
+    lease = await service.handle(routes(1, [[0, 1], [2, 3]]))  # a prompt of two tokens: 4 misses
+    lease = await service.handle(routes(1, [[4, 0]], fence=lease.lease_id))  # a decode step: 0 is resident, 4 is read
+    assert lease.hits == 1
+    await service.handle(Fence(lease_id=lease.lease_id))
+    stats = service.end_job()
+    assert (stats.misses, stats.decode_misses) == (5, 1)
+    assert prefetch_fields(PrefetchTelemetry(useful=3, issued=4), stats.decode_misses)["prefetch_recall"] == 0.75
 
 
 @run_async
