@@ -130,7 +130,11 @@ def _load(config: GpuWorkerArgs, welcome: GpuWelcome, channel: Channel, slab: Sl
             logger.info("copy ahead: off (zero copy, no lease words, or decode waves copied in parts)")
         # The next layer's routers rank experts for prefetch (sent) and for copy ahead (local).
         predict = max(welcome.prefetch, welcome.copy_ahead if client.copies_ahead else 0)
-        model, info = load_streamed_model(config.model, provider=client, predict=predict)  # dense only
+        model, info = load_streamed_model(  # dense only
+            config.model, provider=client, predict=predict, distance=config.prefetch_distance
+        )
+        if welcome.prefetch:
+            logger.info("prefetch: %d experts of the sparse layer %d ahead", welcome.prefetch, config.prefetch_distance)
         step = "checking the model against the store"
         check_against_store(info, store)
     except Exception as error:

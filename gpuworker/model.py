@@ -134,6 +134,7 @@ def load_streamed_model(
     model_config: dict | None = None,
     trust_remote_code: bool = False,
     predict: int = 0,
+    distance: int = 1,
 ) -> tuple[nn.Module, StreamedModelInfo]:
     """The mlx-lm model of `model_dir` with every SwitchGLU/SwitchMLP streamed from `provider`.
 
@@ -141,7 +142,8 @@ def load_streamed_model(
     tensors are never read. `strict` is mlx-lm's: every checkpoint tensor
     must match a parameter of the model. `predict` > 0: every streamed module
     but the last ranks that many experts of the next sparse layer in decode
-    steps, by that layer's own router (`gpuworker.prediction`), for prefetch.
+    steps, by that layer's own router (`gpuworker.prediction`), for prefetch;
+    `distance` > 1: the prefetch predicts the sparse layer that many ahead instead.
     """
     path = Path(model_dir)
     # lazy=True: nothing is read yet, so dropping the experts below costs no I/O.
@@ -180,7 +182,12 @@ def load_streamed_model(
         experts = {module.layer: module.num_experts for module in modules}
         for layer, router in next_layer_routers(blocks, experts, count=predict, switch=switch).items():
             wrappers[layer].predict = router
-        _predict_first_layer(model, blocks, experts, modules[0], provider, count=predict, switch=switch)
+        if distance > 1:
+            ahead = next_layer_routers(blocks, experts, count=predict, switch=switch, distance=distance)
+            for wrapper in wrappers.values():
+                wrapper.ahead, wrapper.predict_ahead = True, ahead.get(wrapper.layer)
+        first = modules[: max(1, distance)]
+        _predict_first_layers(model, blocks, experts, first, provider, count=predict, switch=switch)
     dense = tree_flatten(model.parameters())
     if not lazy:
         mx.eval([array for _, array in dense])
@@ -205,33 +212,44 @@ def load_streamed_model(
     return model, info
 
 
-def _predict_first_layer(
-    model: nn.Module, blocks, experts, first: SparseModule, provider, *, count: int, switch: PredictionSwitch
+def _predict_first_layers(
+    model: nn.Module, blocks, experts, firsts: list[SparseModule], provider, *, count: int, switch: PredictionSwitch
 ) -> None:
-    """Wrap the token embedding so a decode step predicts the first sparse layer from the token
-    (`PredictingEmbedding`); skipped, and said, where the model's embedding or router is not found."""
+    """Wrap the token embedding so a decode step predicts the first sparse layers from the token
+    (`PredictingEmbedding`); skipped, and said, where the model's embedding or first router is not
+    found (a later one's router not found: that layer is not predicted so)."""
     found = [
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
     ]
-    scores = router_scores(blocks[first.layer], experts[first.layer])
-    if len(found) != 1 or scores is None:
-        logger.info("the first sparse layer is not predicted: %d embeddings, router %s", len(found), scores is not None)
+    routers = []  # (router, its decoder layer's norm) of each first layer whose router is known
+    for module in firsts:
+        scores = router_scores(blocks[module.layer], experts[module.layer])
+        if scores is not None:
+            router = NextLayerRouter(module.layer, scores, max(1, min(count, experts[module.layer])), switch)
+            routers.append((router, _moe_input_norm(model, module)))
+    if len(found) != 1 or not routers or routers[0][0].layer != firsts[0].layer:
+        logger.info("the first sparse layer is not predicted: %d embeddings, router %s", len(found), bool(routers))
         return
-    # The norm the decoder layer applies to its MoE block's input (post_attention_layernorm in mlx-lm).
-    prefix = re.match(r"^(.*?(?:layers|h)\.\d+)(?:\.|$)", first.path)
-    parent, key = _parent(model, prefix.group(1)) if prefix else (None, "")
-    decoder = parent[int(key)] if isinstance(parent, list) else parent[key] if parent is not None else None
-    norm = decoder.get("post_attention_layernorm") if isinstance(decoder, nn.Module) else None
     name, embedding = found[0]
     parent, key = _parent(model, name)
-    router = NextLayerRouter(first.layer, scores, max(1, min(count, experts[first.layer])), switch)
-    wrapper = PredictingEmbedding(embedding, router, norm if isinstance(norm, nn.Module) else None, provider)
+    (router, norm), following = routers[0], tuple(routers[1:])
+    wrapper = PredictingEmbedding(embedding, router, norm, provider, following=following)
     if isinstance(parent, list):
         parent[int(key)] = wrapper
     else:
         parent[key] = wrapper
+
+
+def _moe_input_norm(model: nn.Module, module: SparseModule) -> nn.Module | None:
+    """The norm a sparse module's decoder layer applies to its MoE block's input
+    (post_attention_layernorm in mlx-lm); None where there is none by that name."""
+    prefix = re.match(r"^(.*?(?:layers|h)\.\d+)(?:\.|$)", module.path)
+    parent, key = _parent(model, prefix.group(1)) if prefix else (None, "")
+    decoder = parent[int(key)] if isinstance(parent, list) else parent[key] if parent is not None else None
+    norm = decoder.get("post_attention_layernorm") if isinstance(decoder, nn.Module) else None
+    return norm if isinstance(norm, nn.Module) else None
 
 
 def streamed_switches(model: nn.Module) -> list[StreamedSwitch]:

@@ -8,6 +8,16 @@ Colibri measured 71.6% on a real model, GLM-5.2). The GPU worker sends the
 prediction with a layer's `routes`, and the coordinator loads the predicted
 experts that are not resident while this layer computes.
 
+How far ahead (the run's `prefetch_distance`, d): one sparse layer by default,
+which suffices where a layer computes for longer than a prefetch takes to land
+(this host's CPU: ~50 ms a layer on the default benchmark). Where layers compute
+faster than that (an Apple GPU: 0.2-0.5 ms), most of a prediction one layer
+ahead lands after its layer asked. Layer L+d's router on layer L's input names
+fewer of its experts (the deep bench shape, top-k + 2 predicted: 96% of the
+picks one layer ahead, 93% two, 90% three) but gives the reads d layers of
+compute to land in; the first d sparse layers are predicted from the token.
+Copy ahead keeps the next layer's prediction whatever d is.
+
 The router is the family's own module (`gate` or `router` of the MoE block:
 a Linear, or a MoEGate's weight and score-correction bias), so every family
 is predicted with its own weights; the ranking ignores group limits and
@@ -16,7 +26,6 @@ normalisation, which only matter for the exact pick, not for a prefetch.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,12 +106,18 @@ def router_scores(block: nn.Module, num_experts: int) -> Scores | None:
 
 
 def next_layer_routers(
-    blocks: dict[int, nn.Module], num_experts: dict[int, int], *, count: int, switch: PredictionSwitch | None = None
+    blocks: dict[int, nn.Module],
+    num_experts: dict[int, int],
+    *,
+    count: int,
+    switch: PredictionSwitch | None = None,
+    distance: int = 1,
 ) -> dict[int, NextLayerRouter]:
-    """For each sparse layer but the last, the router of the sparse layer after it (`count` experts)."""
+    """For each sparse layer with another `distance` sparse layers after it, the router of that one
+    (`count` experts): by default the next one's."""
     layers = sorted(blocks)
     routers: dict[int, NextLayerRouter] = {}
-    for layer, following in itertools.pairwise(layers):
+    for layer, following in zip(layers, layers[distance:]):
         scores = router_scores(blocks[following], num_experts[following])
         if scores is None:
             logger.info("layer %d: its router is not one prediction knows; it is not prefetched", following)
@@ -119,24 +134,42 @@ class PredictingEmbedding(nn.Module):
     Nothing precedes the first sparse layer in a forward pass to carry its prediction, so it
     is made from the token itself: that layer's router on its pre-MoE norm of the embedding
     (the residual stream before the first attention adds to it). It is sent at once, as a
-    `prefetch` of its own, while the first layers' attention computes."""
+    `prefetch` of its own, while the first layers' attention computes. A run that prefetches
+    d layers ahead predicts the first d sparse layers so (`following`: the 2nd to the d-th),
+    since no layer before them is d layers ahead of them."""
 
-    def __init__(self, embedding: nn.Module, router: NextLayerRouter, norm: nn.Module | None, provider) -> None:
+    def __init__(
+        self,
+        embedding: nn.Module,
+        router: NextLayerRouter,
+        norm: nn.Module | None,
+        provider,
+        *,
+        following: tuple[tuple[NextLayerRouter, nn.Module | None], ...] = (),
+    ) -> None:
         super().__init__()
         self.embedding = embedding
         self._predict = _FirstLayer(router, norm)
+        self._following = tuple(_FirstLayer(r, n) for r, n in following)
         self.provider = provider
 
     def __call__(self, ids: mx.array) -> mx.array:
         h = self.embedding(ids)
         first = self._predict
         if ids.size == 1 and first is not None and first.router.switch.on:
-            scores = first.router.rank(h if first.norm is None else first.norm(h))
-            if scores is None:
-                self._predict = None  # rank() said why; the first layer is simply not prefetched
-                return h
-            mx.eval(h, scores)
-            self.provider.prefetch(first.router.layer, first.router.predict(scores))
+            predicted: list[tuple[NextLayerRouter, mx.array]] = []
+            for layer in (first, *self._following):
+                scores = layer.router.rank(h if layer.norm is None else layer.norm(h))
+                if scores is not None:
+                    predicted.append((layer.router, scores))
+                elif layer is first:
+                    self._predict = None  # rank() said why; the first layer is simply not prefetched
+                    return h
+                else:
+                    self._following = tuple(f for f in self._following if f is not layer)
+            mx.eval(h, *(scores for _, scores in predicted))
+            for router, scores in predicted:  # the first sparse layer's first: it is needed first
+                self.provider.prefetch(router.layer, router.predict(scores))
         return h
 
     def as_linear(self, x: mx.array) -> mx.array:

@@ -148,8 +148,12 @@ class StreamedSwitch(nn.Module):
         self.num_experts = int(num_experts)
         self.provider = provider
         self._expert_params = _ParamSpecs(tuple(params))
-        # The next sparse layer's router (gpuworker.prediction); a plain attribute, not module state.
+        # The next sparse layer's router (gpuworker.prediction); plain attributes, not module state.
+        # It predicts for prefetch and for copy ahead; a run that prefetches further ahead sends
+        # the prediction of `predict_ahead` (None: no sparse layer that far after this one).
         self.predict: NextLayerRouter | None = None
+        self.predict_ahead: NextLayerRouter | None = None
+        self.ahead = False  # the run's prefetch distance is more than one layer
 
     @property
     def expert_params(self) -> tuple[ExpertParam, ...]:
@@ -293,21 +297,22 @@ class StreamedSwitch(nn.Module):
         # The routes are data: evaluate them (and x, so no dense compute runs under the lease).
         # A decode step also ranks the next sparse layer's experts by that layer's router on x,
         # in the same evaluation: its prediction rides with this layer's routes (prefetch), and
-        # the provider copies those experts while this layer computes (copy ahead).
-        predict = self.predict if indices.size == indices.shape[-1] else None
-        sends = predict is not None and predict.switch.on  # off: this job does not prefetch (paused)
+        # the provider copies those experts while this layer computes (copy ahead). A run that
+        # prefetches further ahead ranks the experts of that layer for the prefetch.
+        decode = indices.size == indices.shape[-1]
+        far = (self.predict_ahead if self.ahead else self.predict) if decode else None
+        if far is not None and not far.switch.on:  # off: this job does not prefetch (paused)
+            far = None
         due = getattr(self.provider, "copy_ahead_due", None)
-        stages = predict is not None and due is not None and due()
-        if not (sends or stages):
-            predict = None
-        scores = predict.rank(x) if predict is not None else None
-        if scores is not None:
-            _evaluate(x, indices, scores)
-        else:
-            if predict is not None:
-                self.predict = predict = None  # rank() said why; this layer stops predicting
-                sends = stages = False
-            _evaluate(x, indices)
+        near = self.predict if decode and self.predict is not None and due is not None and due() else None
+        far_scores = far.rank(x) if far is not None else None
+        scores = far_scores if near is far else near.rank(x) if near is not None else None
+        for router, ranked in ((far, far_scores), (near, scores)):
+            if router is not None and ranked is None:  # rank() said why; this layer stops using it
+                self.predict = None if self.predict is router else self.predict
+                self.predict_ahead = None if self.predict_ahead is router else self.predict_ahead
+        sends, stages = far_scores is not None, scores is not None
+        _evaluate(x, indices, *(s for s in (far_scores, None if near is far else scores) if s is not None))
         routes = np.array(indices, copy=True).astype(np.int32).reshape(-1, indices.shape[-1])
         if routes.size and (routes.min() < 0 or routes.max() >= self.num_experts):
             raise ValueError(f"layer {self.layer}: route out of range [0, {self.num_experts})")
@@ -315,8 +320,8 @@ class StreamedSwitch(nn.Module):
         if routes.size == 0:
             return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
         if sends:  # the prediction rides with the lease request
-            predicted = predict.predict(scores)
-            waves = list(self.provider.acquire(self.layer, routes, prefetch=(predict.layer, predicted)))
+            sent = far.predict(far_scores)
+            waves = list(self.provider.acquire(self.layer, routes, prefetch=(far.layer, sent)))
         else:
             waves = list(self.provider.acquire(self.layer, routes))
         fenced: list[LeasedWave] = []
@@ -327,9 +332,9 @@ class StreamedSwitch(nn.Module):
             self._release_after_error(waves, fenced, error)
             raise
         if stages:  # this layer's experts are computing: rank and copy the next one's now
-            predicted = predicted if sends else predict.predict(scores)
+            predicted = sent if near is far else near.predict(scores)
             if predicted:
-                self.provider.stage(predict.layer, predicted)
+                self.provider.stage(near.layer, predicted)
         return y
 
     def _release_after_error(self, waves: Sequence[LeasedWave], fenced: list[LeasedWave], error: BaseException) -> None:

@@ -43,6 +43,7 @@ class System:
         max_sequences: int | None = None,
         copy_ahead: str = "on",
         prefetch_margin: int | None = None,
+        prefetch_distance: int = 1,
         helper_scheduling: str = "normal",
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
@@ -63,11 +64,15 @@ class System:
             prefetch=prefetch,
             io_staging=io_staging,
             lease_path=lease_path,
-            run_config={"copy_ahead": copy_ahead, "helper_scheduling": helper_scheduling}
+            run_config={
+                "copy_ahead": copy_ahead,
+                "helper_scheduling": helper_scheduling,
+                "prefetch_distance": prefetch_distance,
+            }
             | ({} if max_sequences is None else {"max_sequences": max_sequences})
             | ({} if prefetch_margin is None else {"prefetch_margin": prefetch_margin}),
         )
-        self.prefetch = prefetch
+        self.prefetch, self.prefetch_distance = prefetch, prefetch_distance
         self.startup_s = time.perf_counter() - started
         self.jobs: list[dict[str, Any]] = []
         self.rss = 0
@@ -167,7 +172,7 @@ class System:
                 for key in ("cpu_ms_per_token", "decode_cpu_ms_per_token")
             },
             "bytes_read_per_token": median([job["bytes_read"] / max(job["generated"], 1) for job in measured]),
-            "prefetch": _prefetch_summary(self.prefetch, measured),
+            "prefetch": {**_prefetch_summary(self.prefetch, measured), "distance": self.prefetch_distance},
             "jobs": [{k: v for k, v in job.items() if k != "tokens"} for job in self.jobs],
         }
         for key in TELEMETRY_KEYS:

@@ -77,7 +77,7 @@ from instruments.lease_telemetry import TelemetryLog
 from instruments.machine import MemoryWatch, pin_processes, split_cpus, total_memory
 from instruments.mlx_reference import MlxLm, prompt_tokens, until_eos
 from instruments.system_jobs import System
-from shared.config import COPY_AHEAD_MODES, LEASE_PATHS, check_compute_lanes
+from shared.config import COPY_AHEAD_MODES, LEASE_PATHS, check_compute_lanes, check_prefetch_distance
 from shared.scheduling import HELPER_SCHEDULING
 from shared.store import ExpertStore
 
@@ -120,6 +120,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="experts predicted per layer beyond top-k (default: the system's, a quarter of top-k)",
+    )
+    run.add_argument(
+        "--prefetch-distance", type=int, default=1, help="sparse layers ahead a prefetch predicts (default 1)"
     )
     run.add_argument(
         "--io-staging", choices=("auto", "on", "off"), default="auto", help="the I/O workers' huge-page staging"
@@ -184,11 +187,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--top-k must not exceed --experts")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
-    if args.compute_lanes is not None:
-        try:
+    try:
+        if args.compute_lanes is not None:
             check_compute_lanes(args.compute_lanes, name="--compute-lanes")
-        except ValueError as error:
-            parser.error(str(error))
+        check_prefetch_distance(args.prefetch_distance, name="--prefetch-distance")
+    except ValueError as error:
+        parser.error(str(error))
     if args.pin_helpers:
         try:
             args.cpus = split_cpus()  # (GPU worker's, helpers')
@@ -244,6 +248,7 @@ class Bench:
             max_sequences=self.args.max_sequences,
             copy_ahead=self.args.copy_ahead,
             prefetch_margin=self.args.prefetch_margin,
+            prefetch_distance=self.args.prefetch_distance,
             helper_scheduling=self.args.helper_scheduling,
         )
         self.systems[part] = system

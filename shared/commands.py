@@ -21,7 +21,14 @@ from pathlib import Path
 
 from native import DEFAULT_BLOCK_SIZE, OpenMode, check_block_size
 from native.staging import STAGING_REQUESTS, StagingRequest
-from shared.config import IO_MODES, MAX_COMPUTE_LANES, RunConfig, check_compute_lanes
+from shared.config import (
+    IO_MODES,
+    MAX_COMPUTE_LANES,
+    MAX_PREFETCH_DISTANCE,
+    RunConfig,
+    check_compute_lanes,
+    check_prefetch_distance,
+)
 from shared.gpu_messages import MAX_ROUTE_ROWS
 from shared.scheduling import HELPER_SCHEDULING
 
@@ -162,6 +169,7 @@ class GpuWorkerArgs:
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     compute_lanes: int | None = None  # MLX streams for a decode wave's parts; None: auto (gpuworker.lanes)
     max_sequences: int = 1  # jobs decoded together (>1: mlx-lm's BatchGenerator, gpuworker/batch_serve.py)
+    prefetch_distance: int = 1  # sparse layers ahead a decode step's prefetch predicts (gpuworker.prediction)
 
 
 def gpu_worker_argv(args: GpuWorkerArgs) -> list[str]:
@@ -181,6 +189,12 @@ def parse_gpu_worker_argv(argv: Sequence[str] | None = None) -> GpuWorkerArgs:
     add("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
     add("--max-sequences", type=int, default=1, help="jobs decoded together (1: one at a time)")
     add(
+        "--prefetch-distance",
+        type=int,
+        default=1,
+        help=f"sparse layers ahead a decode step's prefetch predicts, 1..{MAX_PREFETCH_DISTANCE}",
+    )
+    add(
         "--compute-lanes",
         type=int,
         default=None,
@@ -188,11 +202,12 @@ def parse_gpu_worker_argv(argv: Sequence[str] | None = None) -> GpuWorkerArgs:
         "(default: auto, 2 on a CPU with 2+ cores, else 1)",
     )
     ns = parser.parse_args(argv)
-    if ns.compute_lanes is not None:
-        try:
+    try:
+        if ns.compute_lanes is not None:
             check_compute_lanes(ns.compute_lanes, name="--compute-lanes")
-        except ValueError as error:
-            parser.error(str(error))
+        check_prefetch_distance(ns.prefetch_distance, name="--prefetch-distance")
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("handshake_timeout", "reply_timeout", "prefill_step_size", "max_sequences"):
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")
@@ -213,6 +228,7 @@ def gpu_worker_args_for(run: RunConfig) -> GpuWorkerArgs:
         log_level=run.log_level,
         compute_lanes=run.compute_lanes,
         max_sequences=run.max_sequences,
+        prefetch_distance=run.prefetch_distance,
     )
 
 

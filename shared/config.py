@@ -44,6 +44,9 @@ REPLACEMENT_KNOBS = ("lrfu", "nextuse")  # the policies that take a knob
 DEFAULT_REPLACEMENT = "nextuse"
 # The GPU worker's --compute-lanes bound (MLX streams for a decode wave's parts; gpuworker.lanes).
 MAX_COMPUTE_LANES = 16
+# How many sparse layers ahead a prefetch may predict (gpuworker.prediction): past a few layers
+# a router names too few of the experts its layer will pick.
+MAX_PREFETCH_DISTANCE = 8
 # sun_path is 108 bytes on Linux, 104 on macOS; keep a margin for the socket names.
 MAX_IPC_PATH = 100
 
@@ -53,6 +56,14 @@ def check_compute_lanes(value: object, *, name: str = "compute_lanes") -> int:
     `name` and the value."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COMPUTE_LANES:
         raise ValueError(f"{name} must be in [1, {MAX_COMPUTE_LANES}] (an int), got {value!r}")
+    return value
+
+
+def check_prefetch_distance(value: object, *, name: str = "prefetch_distance") -> int:
+    """`value` if it is a prefetch distance (an int in [1, MAX_PREFETCH_DISTANCE]); else ValueError
+    naming `name` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PREFETCH_DISTANCE:
+        raise ValueError(f"{name} must be in [1, {MAX_PREFETCH_DISTANCE}] (an int), got {value!r}")
     return value
 
 
@@ -160,6 +171,9 @@ class RunConfig:
     # The coordinator's and the I/O workers' scheduling class (shared/scheduling.py): normal | batch.
     helper_scheduling: str = "normal"
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
+    # Sparse layers ahead a decode step's prefetch predicts (gpuworker.prediction): 1 where a layer
+    # computes for longer than a prefetch takes to land; more where layers compute faster than that.
+    prefetch_distance: int = 1
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy (parse_replacement)
     # The job front door's limits (coordinator/job_limits.py); None: the model's context, or for
     # the per-client share half the queue.
@@ -314,6 +328,10 @@ def check_config(config: RunConfig) -> RunConfig:
         raise ConfigError(f"io_staging must be one of {STAGING_MODES}, got {config.io_staging!r}")
     if config.prefetch_margin is not None and not 0 <= config.prefetch_margin <= 64:
         raise ConfigError(f"prefetch_margin must be in [0, 64], got {config.prefetch_margin}")
+    try:
+        check_prefetch_distance(config.prefetch_distance)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if config.copy_ahead not in COPY_AHEAD_MODES:
         raise ConfigError(f"copy_ahead must be one of {COPY_AHEAD_MODES}, got {config.copy_ahead!r}")
     if config.lease_path not in LEASE_PATHS:

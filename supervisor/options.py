@@ -13,9 +13,11 @@ from shared.config import (
     COPY_AHEAD_MODES,
     DEFAULT_REPLACEMENT,
     LEASE_PATHS,
+    MAX_PREFETCH_DISTANCE,
     PREFETCH_MODES,
     check_compute_lanes,
     check_jobs_endpoint,
+    check_prefetch_distance,
     parse_replacement,
 )
 from shared.scheduling import HELPER_SCHEDULING
@@ -56,6 +58,7 @@ class SupervisorOptions:
     compute_lanes: int | None = None  # None: the GPU worker's auto choice
     prefetch: str = "auto"  # next-layer prefetch: auto | on | off
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: RunConfig's, a quarter of top-k)
+    prefetch_distance: int = 1  # sparse layers ahead a decode step's prefetch predicts
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
     lease_path: str = "shared"  # shared.config.LEASE_PATHS
     copy_ahead: str = "on"  # shared.config.COPY_AHEAD_MODES
@@ -80,9 +83,13 @@ def job_limits(options: SupervisorOptions) -> dict[str, int]:
 
 
 def prediction_fields(options: SupervisorOptions) -> dict[str, object]:
-    """The flags for the next layer's experts (copy ahead, prefetch margin) and for the helpers'
-    scheduling as `RunConfig` fields."""
-    fields: dict[str, object] = {"copy_ahead": options.copy_ahead, "helper_scheduling": options.helper_scheduling}
+    """The flags for the next layers' experts (copy ahead, prefetch margin and distance) and for the
+    helpers' scheduling as `RunConfig` fields."""
+    fields: dict[str, object] = {
+        "copy_ahead": options.copy_ahead,
+        "helper_scheduling": options.helper_scheduling,
+        "prefetch_distance": options.prefetch_distance,
+    }
     if options.prefetch_margin is not None:
         fields["prefetch_margin"] = options.prefetch_margin
     return fields
@@ -113,6 +120,13 @@ def _lanes(text: str) -> int | None:
         return None
     try:
         return check_compute_lanes(_count(1)(text), name="N")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _distance(text: str) -> int:
+    try:
+        return check_prefetch_distance(_count(1)(text), name="D")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -196,6 +210,14 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         metavar="M",
         help="experts predicted per layer beyond top-k (default: a quarter of top-k); each one the "
         "layer does not pick is a wasted read, each one it picks a miss hidden",
+    )
+    add(
+        "--prefetch-distance",
+        type=_distance,
+        default=1,
+        metavar="D",
+        help=f"sparse layers ahead a prefetch predicts, 1..{MAX_PREFETCH_DISTANCE} (default 1); more where a "
+        "layer computes faster than a prefetch lands (a GPU), at the cost of a less exact prediction",
     )
     add(
         "--copy-ahead",
@@ -330,6 +352,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         compute_lanes=ns.compute_lanes,
         prefetch=ns.prefetch,
         prefetch_margin=ns.prefetch_margin,
+        prefetch_distance=ns.prefetch_distance,
         replacement=ns.replacement,
         lease_path=ns.lease_path,
         copy_ahead=ns.copy_ahead,

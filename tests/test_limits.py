@@ -146,14 +146,55 @@ def test_the_prediction_flags_become_run_config_fields():
     from supervisor.options import parse_args, prediction_fields
 
     base = ["--model", "/m", "--memory-budget", "1GiB"]
-    defaults = {"copy_ahead": "on", "helper_scheduling": "normal"}  # RunConfig's margin applies
+    defaults = {"copy_ahead": "on", "helper_scheduling": "normal", "prefetch_distance": 1}  # RunConfig's margin
     assert prediction_fields(parse_args(base)) == defaults
     flags = ["--prefetch-margin", "0", "--copy-ahead", "off", "--helper-scheduling", "batch"]
-    set_ = {"copy_ahead": "off", "prefetch_margin": 0, "helper_scheduling": "batch"}
+    flags += ["--prefetch-distance", "3"]
+    set_ = {"copy_ahead": "off", "prefetch_margin": 0, "helper_scheduling": "batch", "prefetch_distance": 3}
     assert prediction_fields(parse_args([*base, *flags])) == set_
-    for bad in (["--prefetch-margin", "-1"], ["--helper-scheduling", "idle"]):
+    bads = (["--prefetch-margin", "-1"], ["--helper-scheduling", "idle"], *(["--prefetch-distance", t] for t in "09x"))
+    for bad in bads:
         with pytest.raises(SystemExit):
             parse_args([*base, *bad])
+
+
+@pytest.mark.parametrize("distance", [0, 9, True, 2.0, "2"])
+def test_a_prefetch_distance_out_of_range_is_refused_naming_it(distance, tmp_path, capsys):
+    """The run's config and the GPU worker's flag take 1..MAX_PREFETCH_DISTANCE and say what they
+    got; the run's distance reaches the GPU worker's flags."""
+    import dataclasses
+
+    from shared.commands import GpuWorkerArgs, gpu_worker_args_for, gpu_worker_argv, parse_gpu_worker_argv
+    from shared.config import ConfigError, Endpoints, RunConfig, SlabSpec, check_config, check_prefetch_distance
+    from shared.plan import plan_expert_residency
+
+    with pytest.raises(ValueError, match=f"prefetch_distance must be in \\[1, 8\\].*got {distance!r}"):
+        check_prefetch_distance(distance)
+    config = GpuWorkerArgs(model=str(tmp_path), endpoint="ipc:///tmp/x", prefetch_distance=4)
+    assert parse_gpu_worker_argv(gpu_worker_argv(config)) == config
+    if isinstance(distance, int) and not isinstance(distance, bool):
+        with pytest.raises(SystemExit):
+            parse_gpu_worker_argv([*gpu_worker_argv(config), "--prefetch-distance", str(distance)])
+        assert "--prefetch-distance must be in [1, 8]" in capsys.readouterr().err
+    plan = plan_expert_residency(budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2, working_slots=2)
+    run = RunConfig(
+        run_dir=str(tmp_path),
+        model_dir=str(tmp_path),
+        block_size=4096,
+        manifest="/m.json",
+        manifest_files=1,
+        plan=plan,
+        slab=SlabSpec("/moeslab-0123456789ab", plan.total_slots, plan.slot_bytes),
+        endpoints=Endpoints(io="ipc:///tmp/io", gpu="ipc:///tmp/gpu", jobs="ipc:///tmp/jobs"),
+        io_workers=1,
+        io_mode="direct",
+        kv_reserve_bytes=0,
+        dense_bytes=10,
+        prefetch_distance=3,
+    )
+    assert check_config(run) is run and gpu_worker_args_for(run).prefetch_distance == 3
+    with pytest.raises(ConfigError, match=f"got {distance!r}"):
+        check_config(dataclasses.replace(run, prefetch_distance=distance))
 
 
 def test_limits_resolve_from_the_flags_the_context_and_a_default():

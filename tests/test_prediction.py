@@ -180,6 +180,50 @@ def test_a_predicting_streamed_model_computes_the_same_and_predicts_in_decode_on
             assert prefetch[0] == following and len(prefetch[1]) == 5 and len(set(prefetch[1])) == 5
 
 
+class _StagingProvider(_Provider):
+    """Also copies ahead (records what it is asked to stage)."""
+
+    def __init__(self, experts) -> None:
+        super().__init__(experts)
+        self.staged: list[tuple[int, tuple[int, ...]]] = []
+
+    def copy_ahead_due(self) -> bool:
+        return True
+
+    def stage(self, layer, experts) -> None:
+        self.staged.append((layer, experts))
+
+
+@pytest.mark.parametrize("distance", [2, 3])
+def test_a_prefetch_distance_predicts_that_many_layers_ahead_and_the_first_ones_from_the_token(distance, tmp_path):
+    """Distance d: a decode visit of sparse layer i sends the prediction of layer i+d (none from
+    the last d layers), the embedding predicts the first d layers in order before any routes,
+    copy ahead's router stays the next layer's, and the tokens are the plain model's."""
+    path = write_tiny_model(tmp_path, family="qwen3_moe", num_hidden_layers=5)
+    reference, _ = load_model(path)
+    experts = {layer: dict(tree_flatten(block[key].parameters())) for layer, (block, key) in _blocks(reference).items()}
+    predicting = _StagingProvider(experts)
+    model, info = load_streamed_model(path, provider=predicting, predict=4, distance=distance)
+    layers = list(info.sparse_layers)
+    assert [s.predict.layer if s.predict else None for s in streamed_switches(model)] == [*layers[1:], None]
+    got = generate_steps(model, PROMPT, 4)
+    assert got.tokens == generate_steps(load_streamed_model(path, provider=_Provider(experts))[0], PROMPT, 4).tokens
+    decode = [call for call in predicting.calls if call[1] == 1]
+    assert decode and all(call[2] is None for call in predicting.calls if call[1] > 1)
+    for layer, _, prefetch in decode:
+        index = layers.index(layer)
+        if index + distance >= len(layers):
+            assert prefetch is None
+        else:
+            assert prefetch[0] == layers[index + distance] and len(set(prefetch[1])) == 4
+    steps = [at for at, call in enumerate(predicting.calls) if call[1] == 1 and call[0] == layers[0]]
+    expected = [(first, at) for at in steps for first in layers[:distance]]
+    assert [(layer, at) for layer, _, at in predicting.first] == expected
+    # copy ahead stages the next layer's experts after each decode visit but the last layer's
+    following = [layers[layers.index(visited) + 1] for visited, _, _ in decode if visited != layers[-1]]
+    assert [layer for layer, _ in predicting.staged] == following
+
+
 def test_a_router_that_cannot_take_its_input_stops_predicting_its_layer_and_says_so(tmp_path, caplog):
     """A family whose MoE input is not the router's input (e.g. a latent MoE) must not break decode:
     the layer is no longer predicted, a warning names it, and the output is unchanged."""

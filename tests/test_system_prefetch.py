@@ -61,6 +61,27 @@ def test_prefetch_on_is_token_exact_and_accounted(family, tmp_path, caplog):
         assert stats.prefetch_disabled_layers == 0  # on: never stops
 
 
+def test_prefetch_two_layers_ahead_is_token_exact_and_reads_what_it_predicts(tmp_path, caplog):
+    """`prefetch_distance` 2: the GPU worker predicts the first two sparse layers from the token and
+    every other from the layer two before it; the tokens stay mlx-lm's, no slot is touched under a
+    lease, and the predictions are read and used."""
+    caplog.set_level(logging.INFO)
+    path = write_tiny_model(tmp_path / "m", family=FAMILIES[0], num_hidden_layers=4)
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    options = dict(prefetch="on", test_hooks=HOOKS, run_config={"prefetch_distance": 2})
+    with start_test_system(path, **with_processes(store, _budget(store)), **options) as system:
+        result = run_job(system, max_tokens=GENERATED, return_logprobs=False)
+        hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 1 and counts)
+    assert result.tokens == want.tokens[: len(result.tokens)] and len(result.tokens) == GENERATED
+    assert hooks["violations"] == 0 and hooks["verified"] > 0
+    assert any("of the sparse layer 2 ahead" in record.getMessage() for record in caplog.records)
+    stats = result.done.stats
+    # Every decode step predicts every sparse layer: the first two from the token, the rest two layers on.
+    assert stats.prefetch_predicted >= (GENERATED - 1) * len(store.sparse_layers) * store.top_k
+    assert stats.prefetch_issued > 0 and stats.prefetch_useful > 0 and 0.0 < stats.prefetch_recall <= 1.0
+
+
 def test_prefetch_off_predicts_and_reads_nothing(tmp_path):
     path = write_tiny_model(tmp_path / "m", family=FAMILIES[0])
     store = ExpertStore.open(path)
