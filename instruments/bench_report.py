@@ -202,8 +202,8 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
         prefetch = s.get("prefetch", {})
         if prefetch.get("issued_per_token") or prefetch.get("steps_without"):
             lines.append(
-                f"  prefetch ({prefetch['mode']}, {prefetch.get('distance', 1)} layer(s) ahead): prediction recall "
-                f"{prefetch['prediction_recall']:.3f} of the "
+                f"  prefetch ({prefetch['mode']}): {prefetch.get('distance', 1)} sparse layer(s) ahead; prediction "
+                f"recall {prefetch['prediction_recall']:.3f} of the "
                 f"routed experts; recall {prefetch['recall']:.3f} of would-be decode misses, precision "
                 f"{prefetch['precision']:.3f}; per token {prefetch['issued_per_token']:.2f} reads "
                 f"({prefetch['bytes_per_token'] / MB:.1f} MB), {prefetch['useful_per_token']:.2f} useful, "

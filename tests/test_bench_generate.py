@@ -114,6 +114,7 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         want = {"GPU worker": CPUS[:-1], "coordinator": CPUS[-1:], "I/O worker 0": CPUS[-1:], "I/O worker 1": CPUS[-1:]}
         assert part["pinning"] == (want if pin else None)
     assert streaming["warmup_jobs"] == 4 and streaming["prefetch"]["trialling_jobs"] == 1
+    assert streaming["prefetch"]["distance"] == 1  # the system's default: the next sparse layer
     assert resident["vs_mlx_lm"] > 0 and resident["miss_bytes_per_token"] == 0
     # Every expert resident: the decode visits lease through the lease words, no round trip.
     assert resident["shared_visit_fraction"] > 0.9
