@@ -44,8 +44,8 @@ REPLACEMENT_KNOBS = ("lrfu", "nextuse")  # the policies that take a knob
 DEFAULT_REPLACEMENT = "nextuse"
 # The GPU worker's --compute-lanes bound (MLX streams for a decode wave's parts; gpuworker.lanes).
 MAX_COMPUTE_LANES = 16
-# How many sparse layers ahead a prefetch may predict (gpuworker.prediction): past a few layers
-# a router names too few of the experts its layer will pick.
+# How many sparse layers ahead a prefetch may predict (gpuworker.prediction): each layer further
+# names fewer of the experts its layer picks (the deep bench shape: 96%, 93%, 90% at 1, 2, 3).
 MAX_PREFETCH_DISTANCE = 8
 # sun_path is 108 bytes on Linux, 104 on macOS; keep a margin for the socket names.
 MAX_IPC_PATH = 100
