@@ -31,7 +31,6 @@ from shared.config import (
     ConfigError,
     Endpoints,
     RunConfig,
-    SlabSpec,
     check_jobs_endpoint,
     config_from_dict,
     config_to_dict,
@@ -49,9 +48,9 @@ from shared.curve import (
     read_server_key,
     write_server_keys,
 )
-from shared.plan import plan_expert_residency
 from shared.sockets import open_socket
 from supervisor.options import parse_args
+from tests.helpers.run_config import small_run_config
 from tests.helpers.supervisor import (
     assert_all_gone,
     check_tokens,
@@ -108,23 +107,9 @@ def round_trip(config: RunConfig) -> RunConfig:
 
 
 def test_a_run_config_with_an_exposed_endpoint_needs_curve_keys(tmp_path):
-    plan = plan_expert_residency(
-        budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2, working_slots=2, pinned_experts=0
-    )
     endpoints = run_endpoints(tmp_path)
-    config = RunConfig(
-        run_dir=str(tmp_path),
-        model_dir="/m",
-        block_size=4096,
-        manifest="/m.json",
-        manifest_files=1,
-        plan=plan,
-        slab=SlabSpec("/moeslab-0123456789ab", plan.total_slots, plan.slot_bytes),
-        endpoints=Endpoints(io=endpoints.io, gpu=endpoints.gpu, jobs="tcp://0.0.0.0:5555"),
-        io_workers=1,
-        io_mode="direct",
-        kv_reserve_bytes=0,
-        dense_bytes=10,
+    config = small_run_config(
+        tmp_path, endpoints=Endpoints(io=endpoints.io, gpu=endpoints.gpu, jobs="tcp://0.0.0.0:5555")
     )
     with pytest.raises(ConfigError) as refused:
         round_trip(config)

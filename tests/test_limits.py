@@ -165,8 +165,8 @@ def test_a_prefetch_distance_out_of_range_is_refused_naming_it(distance, tmp_pat
     import dataclasses
 
     from shared.commands import GpuWorkerArgs, gpu_worker_args_for, gpu_worker_argv, parse_gpu_worker_argv
-    from shared.config import ConfigError, Endpoints, RunConfig, SlabSpec, check_config, check_prefetch_distance
-    from shared.plan import plan_expert_residency
+    from shared.config import ConfigError, check_config, check_prefetch_distance
+    from tests.helpers.run_config import small_run_config
 
     with pytest.raises(ValueError, match=f"prefetch_distance must be in \\[1, 8\\].*got {distance!r}"):
         check_prefetch_distance(distance)
@@ -176,22 +176,7 @@ def test_a_prefetch_distance_out_of_range_is_refused_naming_it(distance, tmp_pat
         with pytest.raises(SystemExit):
             parse_gpu_worker_argv([*gpu_worker_argv(config), "--prefetch-distance", str(distance)])
         assert "--prefetch-distance must be in [1, 8]" in capsys.readouterr().err
-    plan = plan_expert_residency(budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2, working_slots=2)
-    run = RunConfig(
-        run_dir=str(tmp_path),
-        model_dir=str(tmp_path),
-        block_size=4096,
-        manifest="/m.json",
-        manifest_files=1,
-        plan=plan,
-        slab=SlabSpec("/moeslab-0123456789ab", plan.total_slots, plan.slot_bytes),
-        endpoints=Endpoints(io="ipc:///tmp/io", gpu="ipc:///tmp/gpu", jobs="ipc:///tmp/jobs"),
-        io_workers=1,
-        io_mode="direct",
-        kv_reserve_bytes=0,
-        dense_bytes=10,
-        prefetch_distance=3,
-    )
+    run = small_run_config(tmp_path, prefetch_distance=3)
     assert check_config(run) is run and gpu_worker_args_for(run).prefetch_distance == 3
     with pytest.raises(ConfigError, match=f"got {distance!r}"):
         check_config(dataclasses.replace(run, prefetch_distance=distance))

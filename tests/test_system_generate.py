@@ -338,28 +338,14 @@ def test_children_exit_when_the_launcher_goes_away(models):
 
 
 def test_config_round_trip_and_refusals(tmp_path):
-    from shared.config import ConfigError, RunConfig, SlabSpec, read_config, run_endpoints, write_config
+    from shared.config import ConfigError, read_config, run_endpoints, write_config
     from shared.plan import plan_expert_residency
+    from tests.helpers.run_config import small_run_config
 
     plan = plan_expert_residency(
         budget_bytes=10**7, fixed_bytes=0, slot_bytes=16384, sparse_layers=2, working_slots=2, pinned_experts=1
     )
-    config = RunConfig(
-        run_dir=str(tmp_path),
-        model_dir="/m",
-        block_size=4096,
-        manifest="/m.json",
-        manifest_files=1,
-        plan=plan,
-        slab=SlabSpec("/moeslab-0123456789ab", plan.total_slots, plan.slot_bytes),
-        endpoints=run_endpoints(tmp_path),
-        io_workers=2,
-        io_mode="direct",
-        kv_reserve_bytes=0,
-        dense_bytes=10,
-        pinned=((1, 3),),
-        test_hooks=("verify_fenced",),
-    )
+    config = small_run_config(tmp_path, plan=plan, io_workers=2, pinned=((1, 3),), test_hooks=("verify_fenced",))
     write_config(config, tmp_path / "config.json")
     assert (os.stat(tmp_path / "config.json").st_mode & 0o777) == 0o600
     assert read_config(tmp_path / "config.json") == config
