@@ -242,6 +242,13 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
                     f"  {what}: GPU worker {cpu['gpu_worker']:.1f} ms, "
                     f"coordinator {cpu['coordinator']:.1f} ms, I/O workers {cpu['io_workers']:.1f} ms"
                 )
+        compute = s.get("compute_thread")
+        if compute:
+            lines.append(
+                f"  GPU worker's compute thread per decode token: ran {compute['run_ms_per_token']:.1f} ms, "
+                f"waited {compute['wait_ms_per_token']:.1f} ms for a free CPU (all its threads "
+                f"{compute['threads_wait_ms_per_token']:.1f} ms)"
+            )
         roof = s.get("roofline")
         if roof:
             if "roofline_tok_s" in roof:

@@ -80,6 +80,50 @@ def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: 
     return {role: 1e3 * spent / max(1, tokens) for role, spent in roles.items()}
 
 
+def thread_schedstats(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread of `pid` and its (ns run on a CPU, ns runnable but waiting for one) so far.
+
+    From /proc/<pid>/task/<tid>/schedstat (Linux); a thread that ended meanwhile is left out. Empty
+    where the kernel keeps no such figures (macOS, a kernel without schedstats) or `pid` is gone."""
+    stats: dict[int, tuple[int, int]] = {}
+    try:
+        threads = process_threads(pid)
+    except OSError:
+        return stats
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/schedstat") as file:
+                ran, waited, _slices = file.read().split()
+        except (OSError, ValueError):  # ended, or no schedstat in this kernel
+            continue
+        stats[thread] = (int(ran), int(waited))
+    return stats
+
+
+def compute_thread_ms_per_token(
+    before: Mapping[int, tuple[int, int]], after: Mapping[int, tuple[int, int]], tokens: int
+) -> dict[str, float] | None:
+    """What the GPU worker's compute thread got between two `thread_schedstats` readings, per token.
+
+    The compute thread is the one that ran longest in between (MLX's CPU stream of the first
+    lane: the others run a fraction of its time). Its `wait_ms_per_token` is time it could have
+    computed but found every core taken, by the helpers or by the worker's own threads
+    (`threads_wait_ms_per_token`: all its threads' waits together). None without readings."""
+    if not before or not after:
+        return None
+    deltas = {
+        thread: (ran - before.get(thread, (0, 0))[0], waited - before.get(thread, (0, 0))[1])
+        for thread, (ran, waited) in after.items()
+    }
+    ran, waited = max(deltas.values())
+    per = 1e-6 / max(1, tokens)
+    return {
+        "run_ms_per_token": ran * per,
+        "wait_ms_per_token": waited * per,
+        "threads_wait_ms_per_token": sum(wait for _, wait in deltas.values()) * per,
+    }
+
+
 def total_memory() -> int:
     """The machine's physical memory in bytes."""
     return int(psutil.virtual_memory().total)

@@ -14,7 +14,14 @@ from typing import Any
 
 from instruments.figures import median
 from instruments.lease_telemetry import TELEMETRY_KEYS, TelemetryLog, summarize_telemetry
-from instruments.machine import CPU_ROLES, cpu_ms_per_token, process_cpu_s, process_rss
+from instruments.machine import (
+    CPU_ROLES,
+    compute_thread_ms_per_token,
+    cpu_ms_per_token,
+    process_cpu_s,
+    process_rss,
+    thread_schedstats,
+)
 from shared.client import Client
 from shared.job_messages import TokenEvent
 from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
@@ -94,16 +101,20 @@ class System:
         before = self.telemetry.count()
         cpu_before = process_cpu_s(self.system.pids)
         cpu_first: dict[str, float] | None = None  # at the first token: what follows is decode alone
+        sched_first: dict[int, tuple[int, int]] = {}
+        gpu_worker = self.system.pids["GPU worker"]
         got, done = [], None
         with Client(self.system.endpoint, timeout=600) as client:
             for event in client.generate(prompt_tokens=prompt, max_tokens=tokens, temperature=temperature, seed=seed):
                 if isinstance(event, TokenEvent):
                     if cpu_first is None:
                         cpu_first = process_cpu_s(self.system.pids)
+                        sched_first = thread_schedstats(gpu_worker)
                     got.append(event.token)
                 else:
                     done = event
         cpu_after = process_cpu_s(self.system.pids)
+        compute_thread = compute_thread_ms_per_token(sched_first, thread_schedstats(gpu_worker), len(got) - 1)
         cpu = cpu_ms_per_token(cpu_before, cpu_after, len(got))
         decode_cpu = cpu_ms_per_token(cpu_first or cpu_after, cpu_after, len(got) - 1)
         record = self.telemetry.wait_for(before + 1)
@@ -140,6 +151,7 @@ class System:
             "telemetry": summarize_telemetry(record, expert_bytes=self.expert_bytes),
             "cpu_ms_per_token": cpu,  # the whole job (prefill too), per generated token
             "decode_cpu_ms_per_token": decode_cpu,  # from the first token to the last, per token after the first
+            "compute_thread": compute_thread,  # the GPU worker's compute thread in decode; None without schedstats
         }
         self.jobs.append(job)
         return job
@@ -171,6 +183,7 @@ class System:
                 key: {role: median([job[key][role] for job in measured]) for role in CPU_ROLES}
                 for key in ("cpu_ms_per_token", "decode_cpu_ms_per_token")
             },
+            "compute_thread": _compute_thread_summary(measured),
             "bytes_read_per_token": median([job["bytes_read"] / max(job["generated"], 1) for job in measured]),
             "prefetch": {**_prefetch_summary(self.prefetch, measured), "distance": self.prefetch_distance},
             "jobs": [{k: v for k, v in job.items() if k != "tokens"} for job in self.jobs],
@@ -182,6 +195,14 @@ class System:
             result["per_layer"] = tele[len(tele) // 2]["per_layer"]
             result["compute_lanes"] = tele[-1]["compute_lanes"]
         return result
+
+
+def _compute_thread_summary(jobs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Medians over the measured jobs of the compute thread's figures (None where a job has none)."""
+    figures = [job["compute_thread"] for job in jobs]
+    if not figures or None in figures:
+        return None
+    return {key: median([figure[key] for figure in figures]) for key in figures[0]}
 
 
 def _prefetch_summary(mode: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:

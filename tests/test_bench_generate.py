@@ -101,6 +101,11 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         cpu, decode = part["cpu_ms_per_token"], part["decode_cpu_ms_per_token"]
         assert set(cpu) == set(decode) == {"gpu_worker", "coordinator", "io_workers"} and decode["gpu_worker"] > 0
         assert all(value >= 0 for value in [*cpu.values(), *decode.values()])
+        compute = part["compute_thread"]  # the GPU worker's busiest thread in decode (Linux: schedstat)
+        if sys.platform.startswith("linux"):
+            assert compute["run_ms_per_token"] > 0
+            assert compute["threads_wait_ms_per_token"] >= compute["wait_ms_per_token"] >= 0
+            assert all(job["compute_thread"] for job in part["jobs"])
         job = part["jobs"][-1]  # decode alone leaves the prefill out: less CPU than the whole job's share
         assert (
             job["decode_cpu_ms_per_token"]["gpu_worker"] * (job["generated"] - 1)
@@ -137,6 +142,8 @@ def test_bench_generate_reports_both_comparisons(cache, order):
     assert report["memory"]["machine_peak_used_bytes"] > 0
     text = "\n".join(report_lines(report))  # what the script prints without --json
     assert text.count("(the whole job, prefill included): GPU worker") == 2 and "prefetch (auto)" in text
+    if sys.platform.startswith("linux"):
+        assert text.count("GPU worker's compute thread per decode token: ran") == 2
 
 
 def test_pinning_refuses_a_single_cpu(cache):
