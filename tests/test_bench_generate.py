@@ -99,17 +99,21 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         # A warm-up job follows another only while auto prefetch's trial has no verdict.
         assert all(job["prefetch"]["trialling"] for job in part["jobs"][: warmups - 1])
         cpu, decode = part["cpu_ms_per_token"], part["decode_cpu_ms_per_token"]
-        assert set(cpu) == set(decode) == {"gpu_worker", "coordinator", "io_workers"} and decode["gpu_worker"] > 0
+        # Process CPU times come in clock ticks (10 ms): this tiny model's decode of a few tokens may
+        # catch none of them (0.0); the compute thread's figures below count nanoseconds.
+        assert set(cpu) == set(decode) == {"gpu_worker", "coordinator", "io_workers"} and cpu["gpu_worker"] > 0
         assert all(value >= 0 for value in [*cpu.values(), *decode.values()])
         compute = part["compute_thread"]  # the GPU worker's busiest thread in decode (Linux: schedstat)
         if sys.platform.startswith("linux"):
-            assert compute["run_ms_per_token"] > 0
+            assert compute["run_ms_per_token"] > 0  # decode measured: the compute thread ran
             assert compute["threads_wait_ms_per_token"] >= compute["wait_ms_per_token"] >= 0
             assert all(job["compute_thread"] for job in part["jobs"])
-        job = part["jobs"][-1]  # decode alone leaves the prefill out: less CPU than the whole job's share
+        # Decode alone leaves the prefill out: never more CPU than the whole job's (equal when the
+        # prefill caught no clock tick).
+        job = part["jobs"][-1]
         assert (
             job["decode_cpu_ms_per_token"]["gpu_worker"] * (job["generated"] - 1)
-            < job["cpu_ms_per_token"]["gpu_worker"] * job["generated"]
+            <= job["cpu_ms_per_token"]["gpu_worker"] * job["generated"] + 1e-9
         )
     # Every expert resident: nothing is predicted, so there is no trial to wait for. Streaming's
     # trial needs 40+ decode steps, far more than jobs of 6 tokens hold: the warm-up stops at
