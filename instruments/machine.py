@@ -108,8 +108,9 @@ def compute_thread_ms_per_token(
     The compute thread is the one that ran longest in between (MLX's CPU stream of the first
     lane: the others run a fraction of its time). Its `wait_ms_per_token` is time it could have
     computed but found every core taken, by the helpers or by the worker's own threads
-    (`threads_wait_ms_per_token`: all its threads' waits together). None without readings."""
-    if not before or not after:
+    (`threads_wait_ms_per_token`: all its threads' waits together). None without readings, or
+    when they share no thread (another process: the worker was restarted in between)."""
+    if not before.keys() & after.keys():
         return None
     deltas = {
         thread: (ran - before.get(thread, (0, 0))[0], waited - before.get(thread, (0, 0))[1])

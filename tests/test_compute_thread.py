@@ -54,9 +54,11 @@ def test_the_thread_that_ran_longest_is_picked_and_a_thread_started_in_between_c
     )
 
 
-def test_no_figures_without_both_readings():
+def test_no_figures_without_both_readings_of_one_process():
     assert compute_thread_ms_per_token({}, {1: (1, 1)}, 3) is None
     assert compute_thread_ms_per_token({1: (1, 1)}, {}, 3) is None
+    # No thread in common: a restarted worker's threads would count their whole lives.
+    assert compute_thread_ms_per_token({1: (1, 1)}, {7: (9_000_000, 1)}, 3) is None
 
 
 def test_a_process_that_is_gone_has_no_threads_to_read():
