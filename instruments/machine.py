@@ -112,10 +112,10 @@ def compute_thread_ms_per_token(
     when they share no thread (another process: the worker was restarted in between)."""
     if not before.keys() & after.keys():
         return None
-    deltas = {
-        thread: (ran - before.get(thread, (0, 0))[0], waited - before.get(thread, (0, 0))[1])
-        for thread, (ran, waited) in after.items()
-    }
+    deltas: dict[int, tuple[int, int]] = {}
+    for thread, (ran, waited) in after.items():
+        ran_before, waited_before = before.get(thread, (0, 0))  # a thread started in between: from zero
+        deltas[thread] = (ran - ran_before, waited - waited_before)
     ran, waited = max(deltas.values())
     per = 1e-6 / max(1, tokens)
     return {
