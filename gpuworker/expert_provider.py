@@ -89,7 +89,8 @@ class LeasedWave:
     memory (a reused buffer) before those outputs are evaluated.
 
     `parts` with `take_part` (stacked, detached waves): the experts split into
-    consecutive groups, in route rank order, whose stacked tensors
+    groups (consecutive in route rank order, or any order: the module puts the
+    outputs back in rank order), whose stacked tensors
     `take_part(j)` produces one group at a time (in the group's order), so
     the module can compute a group while the next one is produced. A module
     uses either `take()` or every part, in order. `part_lanes[j]` is the

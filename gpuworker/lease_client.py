@@ -21,8 +21,10 @@ take turns over that many MLX streams. Every part is copied before the
 wave's fence, like a whole wave.
 
 The shared path (`words`): a decode visit whose experts are all resident
-leases them without a message (`gpuworker.shared_lease`); the slots become
-arrays in `gpuworker.lease_wrap`.
+leases them without a message (`gpuworker.shared_lease`); one that misses
+computes its resident experts while its `routes` travels
+(`gpuworker.split_visit`); the slots become arrays in `gpuworker.lease_wrap`;
+the fences at a forward pass's end are `gpuworker.lease_fencing`'s.
 
 Waiting for replies (and for cancels, jobs and garbage arriving meanwhile)
 is `gpuworker.channel.Channel`'s; what the leases cost is counted in
@@ -42,11 +44,13 @@ from gpuworker.channel import Channel, LeaseError, WorkerStopping
 from gpuworker.copy_ahead import UNSORTED_ROUTES, CopyAhead
 from gpuworker.expert_provider import ExpertProviderError, LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
+from gpuworker.lease_fencing import FenceEnding
 from gpuworker.lease_stats import DECODE, END_STEP, PREFILL, LeaseClientStats, LeaseCounters
 from gpuworker.lease_visit import Visit, check_lease, visit_wave
 from gpuworker.lease_wrap import WaveWrapping
 from gpuworker.shared_lease import SharedLeasing
 from gpuworker.slots import COPY, ZERO_COPY, zero_copy_supported
+from gpuworker.split_visit import SplitLeasing
 from gpuworker.stacking import StackBuffers
 from shared.config import check_compute_lanes
 from shared.gpu_messages import Fence, Fenced, Lease, Prediction, Prefetch, RouteMatrix, Routes
@@ -58,7 +62,7 @@ __all__ = ["LeaseClient"]
 logger = logging.getLogger(__name__)
 
 
-class LeaseClient(SharedLeasing, WaveWrapping):
+class LeaseClient(SharedLeasing, SplitLeasing, FenceEnding, WaveWrapping):
     """`ExpertProvider` on the coordinator's lease protocol (see the module docstring)."""
 
     def __init__(
@@ -152,7 +156,10 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             self._unsent is not None
             or self._visited_fence is not None
             or bool(self._acks)
-            or (self._visit is not None and any(lease is not None for lease in self._visit.leases))
+            or (
+                self._visit is not None
+                and (self._visit.pending is not None or any(lease is not None for lease in self._visit.leases))
+            )
         )
 
     # -- ExpertProvider ---------------------------------------------------------------------------
@@ -192,7 +199,14 @@ class LeaseClient(SharedLeasing, WaveWrapping):
                         prefetch=prefetch[1],
                     )
                 )
-                lease = self._request(message, f"routes of layer {layer}", piggyback=piggyback)
+                what = f"routes of layer {layer}"
+                if self._may_split(visit, routes, staged):  # resident experts compute while it travels
+                    split = self._send_split(visit, message, piggyback)
+                    if split is not None:
+                        return split
+                    lease = self._lease_of(self._await_reply(what, started), what, piggyback)
+                else:
+                    lease = self._request(message, what, piggyback=piggyback)
             except LeaseError:
                 self._settle(piggyback)
                 raise
@@ -254,6 +268,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             logger.warning("layer %d wave %d fenced twice", visit.layer, index)
             return
         visit.fenced[index] = True
+        self._take_owed_reply(visit)  # a split visit the module gave up on before its lease came
         # A detached wave's outputs may still be computing from pooled buffers: the next copy
         # into the pool (or into the set copied ahead) waits for them (`_wrap`, `CopyAhead.stage`).
         self._pending.extend(getattr(wave, "outputs", ()))
@@ -278,81 +293,7 @@ class LeaseClient(SharedLeasing, WaveWrapping):
         if last and self._visit is visit:
             self._visit = None
 
-    # -- forward-pass boundaries ------------------------------------------------------------------
-
-    def end_step(self, *, wait: bool = True) -> None:
-        """After a forward pass: fence what is held, so nothing is leased between tokens.
-
-        `wait=False` (between the tokens of a job) sends the fence without waiting for its
-        `fenced`: the coordinator applies it at once (it reads this socket in order, so the
-        fence precedes the next `routes`), and the worker, which dropped every array reading
-        the slots before sending it, goes on with the next token's dense layers. The reply is
-        taken with the next one (`_round_trip`), or by a waiting `end_step`/`release`.
-        """
-        if self._visit is not None:
-            visit = self._visit
-            self.release()
-            raise LeaseError(f"layer {visit.layer}: forward pass ended with waves not fenced")
-        if self._visited_layers:  # with the step's end, unless a message-path fence must follow
-            self._send_visited(end_step=self._unsent is None)
-        if self._unsent is not None:
-            self._bucket = self._stats.bucket(END_STEP, self._phase)
-        if wait:
-            self._flush()
-            self._drain()
-        elif self._unsent is not None:
-            lease_id, self._unsent = self._unsent, None
-            started = time.perf_counter()
-            self._send(Fence(lease_id=lease_id, next=False))
-            self._acks.add(lease_id)
-            elapsed = time.perf_counter() - started
-            self._stats.round_trips += 1
-            self._stats.wait_s += elapsed
-            self._bucket[1] += 1
-            self._bucket[2] += elapsed
-
-    def release(self) -> None:
-        """Error and stop path: tell the coordinator every lease this client still holds."""
-        visit, self._visit = self._visit, None
-        if visit is not None and visit.shared is not None:
-            self._count_out(visit)
-            visit = None
-        if visit is not None:
-            for index, lease in enumerate(visit.leases):
-                if lease is not None and not visit.fenced[index]:
-                    if self._unsent is not None:
-                        self._flush()
-                    visit.fenced[index] = True
-                    self._unsent, self._unsent_last = lease.lease_id, False
-        self._flush()
-        self._drain()
-
     # -- internals --------------------------------------------------------------------------------
-
-    def _flush(self) -> None:
-        if self._unsent is None:
-            return
-        lease_id, self._unsent = self._unsent, None
-        reply = self._round_trip(Fence(lease_id=lease_id, next=False), f"fence of lease {lease_id}")
-        if not (isinstance(reply, Fenced) and reply.lease_id == lease_id):
-            raise LeaseError(f"fence of lease {lease_id}: expected fenced {lease_id}, got {reply!r}")
-
-    def _drain(self) -> None:
-        """Wait for the `fenced` of every fence sent without waiting (`end_step(wait=False)`)."""
-        if not self._acks:
-            return
-        started = time.perf_counter()
-        try:
-            while self._acks:
-                reply = self.channel.wait_reply(f"fence of lease {min(self._acks)}", timeout_s=self.reply_timeout_s)
-                if not (isinstance(reply, Fenced) and reply.lease_id in self._acks):
-                    waiting, self._acks = sorted(self._acks), set()
-                    raise LeaseError(f"fences of leases {waiting}: expected fenced, got {reply!r}")
-                self._acks.discard(reply.lease_id)
-        finally:
-            elapsed = time.perf_counter() - started
-            self._stats.wait_s += elapsed
-            self._stats.bucket(END_STEP, self._phase)[2] += elapsed
 
     def _send(self, message: object) -> None:
         """Every message to the coordinator goes here: shared-path visits not yet told go first,
@@ -375,6 +316,10 @@ class LeaseClient(SharedLeasing, WaveWrapping):
     def _round_trip(self, message: object, what: str) -> object:
         started = time.perf_counter()
         self._send(message)
+        return self._await_reply(what, started)
+
+    def _await_reply(self, what: str, started: float) -> object:
+        """The reply to the request sent last (counted as a round trip waited since `started`)."""
         try:
             reply = self.channel.wait_reply(what, timeout_s=self.reply_timeout_s)
             # The `fenced` of fences sent without waiting come first (the coordinator answers in order).
@@ -390,7 +335,9 @@ class LeaseClient(SharedLeasing, WaveWrapping):
             self._bucket[2] += elapsed
 
     def _request(self, message: object, what: str, *, piggyback: int | None = None) -> Lease:
-        reply = self._round_trip(message, what)
+        return self._lease_of(self._round_trip(message, what), what, piggyback)
+
+    def _lease_of(self, reply: object, what: str, piggyback: int | None) -> Lease:
         # A `fenced` for the fence that rode on Routes is tolerated, not required.
         while isinstance(reply, Fenced) and piggyback is not None and reply.lease_id == piggyback:
             piggyback = None

@@ -28,7 +28,7 @@ class LayerLeaseClientStats:
     phase: str  # DECODE | PREFILL
     visits: int = 0
     round_trips: int = 0
-    wait_ms: float = 0.0  # routes -> lease and fence -> lease/fenced round trips
+    wait_ms: float = 0.0  # routes -> lease and fence -> lease/fenced round trips (a split visit: its part's wait)
     copy_ms: float = 0.0  # slots -> mx arrays
     experts: int = 0  # experts leased (unique per visit)
     hits: int = 0  # of which already resident (the coordinator's count)
@@ -62,6 +62,10 @@ class LeaseClientStats:
     copied_ahead: int = 0  # experts copied ahead (their bytes and time are in bytes_copied/copy_ms)
     found_ahead: int = 0  # routed experts a visit found copied ahead ...
     routed_ahead: int = 0  # ... of the routed experts of the visits a copied-ahead set served
+    # Split visits (gpuworker.split_visit): decode visits that missed and computed their resident
+    # experts while the lease was on its way, and how many experts they computed so.
+    split_visits: int = 0
+    split_early_experts: int = 0
 
 
 @dataclass(slots=True)
@@ -81,6 +85,8 @@ class LeaseCounters:
     visit_waits: list[float] = field(default_factory=list)  # seconds per decode visit
     shared_misses: int = 0
     shared_behind: int = 0
+    split_visits: int = 0
+    split_early_experts: int = 0
 
     def bucket(self, layer: int, phase: str) -> list:
         found = self.layers.get((layer, phase))
@@ -124,6 +130,8 @@ class LeaseCounters:
             0 if ahead is None else ahead.staged,
             0 if ahead is None else ahead.used,
             0 if ahead is None else ahead.routed,
+            self.split_visits,
+            self.split_early_experts,
         )
 
 

@@ -17,7 +17,7 @@ from gpuworker.copy_ahead import StagedSet
 from gpuworker.expert_provider import LeasedWave
 from shared.gpu_messages import Lease
 
-__all__ = ["Visit", "VisitWave", "check_lease", "visit_wave"]
+__all__ = ["SplitPending", "Visit", "VisitWave", "check_lease", "visit_wave"]
 
 
 def check_lease(visit: Visit, index: int, lease: Lease, *, total_slots: int, working_slots: int) -> None:
@@ -77,6 +77,16 @@ class Visit:
     # None: a message-path visit.
     shared: tuple[int, ...] | None = None
     staged: StagedSet | None = None  # the copy-ahead set its tensors come from (gpuworker.copy_ahead)
+    # A split visit (gpuworker.split_visit) whose `routes` was sent and whose reply was not taken yet:
+    # the fence it carried (settled if the request fails). None: no reply is owed.
+    pending: SplitPending | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPending:
+    """The reply a split visit still owes: to its `routes`, which carried fence `piggyback`."""
+
+    piggyback: int | None
 
 
 class VisitWave(LeasedWave):

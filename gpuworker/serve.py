@@ -161,6 +161,8 @@ def telemetry_json(generation, stats) -> str:
             "copied_ahead": stats.copied_ahead,
             "found_ahead": stats.found_ahead,
             "routed_ahead": stats.routed_ahead,
+            "split_visits": stats.split_visits,
+            "split_early_experts": stats.split_early_experts,
             "layers": [
                 [
                     s.layer,

@@ -19,12 +19,14 @@ indices, so the sort, the kernels and the result are mlx-lm's bit for bit. A
 wave copied ahead (`LeasedWave.stack_rows`, `gpuworker.copy_ahead`) names its
 rows in any order: a decode row has fewer routes than mlx-lm sorts (64), so
 its kernels compute each (token, expert) product from the same bytes alike.
-A decode wave may come in parts (consecutive ranks of its one route row, see
-`LeasedWave.parts`): each part is one call of the original module on its
+A decode wave may come in parts (its one route row's ranks, see
+`LeasedWave.parts`; consecutive, or resident experts first for a split visit,
+`gpuworker.split_visit`): each part is one call of the original module on its
 ranks, started (`mx.async_eval`) before the next part's tensors are taken, so
 a provider that copies slots copies part j+1 while part j computes; a
 decode row's (token, expert) products do not depend on the other ranks, so
-the parts' outputs put side by side are the single call's, bit for bit.
+the parts' outputs put side by side, in rank order, are the single call's,
+bit for bit.
 Parts may run on different compute lanes (MLX streams, `gpuworker.lanes`):
 the same kernels on the same bytes, on more cores where the backend has them.
 Several waves (prefill larger than the working bank): each wave computes its
@@ -223,9 +225,10 @@ class StreamedSwitch(nn.Module):
         """One decode row, part by part: each part's output starts computing before the next
         part is taken; the outputs side by side are the whole call's (module docstring)."""
         ranks = ids.reshape(-1).tolist()
-        if [e for part in wave.parts for e in part] != ranks:
+        order = [e for part in wave.parts for e in part]
+        if sorted(order) != sorted(ranks):
             raise ExpertProviderError(
-                f"layer {self.layer}: wave parts {list(wave.parts)} are not the route's ranks {ranks} in order"
+                f"layer {self.layer}: wave parts {list(wave.parts)} are not the route's ranks {ranks}"
             )
         outputs = []
         try:
@@ -255,7 +258,11 @@ class StreamedSwitch(nn.Module):
                 outputs.append(y)
         finally:
             wave.outputs = tuple(outputs)  # the provider waits for these before reusing their buffers
-        return mx.concatenate(outputs, axis=-2)
+        y = mx.concatenate(outputs, axis=-2)
+        if order != ranks:  # a split visit's parts: resident experts first (gpuworker.split_visit)
+            where = {expert: position for position, expert in enumerate(order)}
+            y = mx.take(y, mx.array([where[e] for e in ranks], dtype=mx.int32), axis=-2)
+        return y
 
     def _finish(self, wave: LeasedWave, fenced: list[LeasedWave]) -> None:
         fenced.append(wave)

@@ -104,6 +104,10 @@ def summarize_telemetry(record: dict[str, Any] | None, *, expert_bytes: int) -> 
         "copy_ahead_precision": record.get("found_ahead", 0) / max(1, record.get("copied_ahead", 0)),
         "copy_ahead_visit_fraction": record.get("routed_ahead", 0) / max(1, sum(r["experts"] for r in decode)),
         "miss_bytes_per_token": misses * expert_bytes / passes,
+        # split visits (gpuworker.split_visit): the share of decode visits that computed resident
+        # experts while their lease was on its way, and how many each computed so
+        "split_visit_fraction": record.get("split_visits", 0) / visits,
+        "split_early_experts_per_split": record.get("split_early_experts", 0) / max(1, record.get("split_visits", 0)),
         "per_layer": {
             str(r["layer"]): {
                 "ipc_wait_ms": r["wait_ms"] / r["visits"],
@@ -134,4 +138,6 @@ TELEMETRY_KEYS = (
     "copy_ahead_found_fraction",
     "copy_ahead_precision",
     "copy_ahead_visit_fraction",
+    "split_visit_fraction",
+    "split_early_experts_per_split",
 )

@@ -203,6 +203,38 @@ def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quant
     assert hooks and hooks["violations"] == 0 and hooks["verified"] > 0, hooks
 
 
+@pytest.mark.parametrize("lanes", [1, 2], ids=["1lane", "2lanes"])
+def test_split_visits_compute_resident_experts_while_the_misses_load(lanes, models, caplog):
+    """All but one expert of each layer resident and decode waves in parts: a visit routed to the
+    missing expert sends its `routes` and computes its resident experts' parts before the lease
+    comes (gpuworker.split_visit), from copies taken under reader counts; withdrawn slots are
+    scribbled and verified, and the tokens stay mlx-lm's."""
+    caplog.set_level(logging.INFO)
+    path = models(FAMILIES[0], True)
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    with _start(
+        path,
+        budget="all_resident",
+        slots_per_layer=store.experts_per_layer - 1,
+        compute_lanes=lanes,
+        replacement="lru",
+        run_config=dict(decode_parts_min_bytes=0),
+    ) as system:
+        first = run_job(system, max_tokens=GENERATED)
+        second = run_job(system, max_tokens=GENERATED)
+        hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
+        jobs = wait_for(lambda: len(found := _telemetry_of_jobs(caplog.records)) == 2 and found)
+    assert max(_check_against(result, want) for result in (first, second)) <= RTOL
+    log.info("split visits: %s", [(job["split_visits"], job["split_early_experts"]) for job in jobs])
+    assert sum(job["split_visits"] for job in jobs) > 0, jobs
+    # Each computed at least one resident expert early, and never all of its experts.
+    assert all(
+        job["split_visits"] <= job["split_early_experts"] <= job["split_visits"] * (store.top_k - 1) for job in jobs
+    ), jobs
+    assert hooks and hooks["violations"] == 0 and hooks["verified"] > 0, hooks
+
+
 # ---------------------------------------------------------------------------------------------
 # The launcher: refusals, failures, cleanup
 
