@@ -24,10 +24,17 @@ class WaveWrapping:
     zero_copy, _stack_pool, _pending, _stats, _bucket)."""
 
     def _wrap_part(
-        self, layer: int, expert_ids: tuple[int, ...], index: int, lease: Lease, *, lane: int
+        self,
+        layer: int,
+        expert_ids: tuple[int, ...],
+        index: int,
+        lease: Lease,
+        *,
+        lane: int,
+        exposed: bool | None = None,
     ) -> dict[str, mx.array]:
         """Part `index` of a decode wave (for compute lane `lane`), stacked in the part's (rank) order
-        into pool set `index`."""
+        into pool set `index`; `exposed`: whether no compute overlaps the copy (default: part 0's)."""
         slot_of = dict(zip(lease.experts, lease.slots))
         if index == 0:  # the previous visit's outputs may still read these sets
             self._settle_pending()
@@ -42,9 +49,8 @@ class WaveWrapping:
             tag=index,
         )
         # Later parts copy while the part before computes: only part 0's copy is exposed.
-        self._stats.count_copy(
-            self._bucket, time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=index == 0
-        )
+        elapsed, exposed = time.perf_counter() - started, index == 0 if exposed is None else exposed
+        self._stats.count_copy(self._bucket, elapsed, wrap.bytes_copied, wrap.path, exposed=exposed)
         self._stats.lane_parts[lane] += 1
         return tensors
 

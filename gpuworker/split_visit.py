@@ -29,7 +29,6 @@ from gpuworker.expert_provider import LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
 from gpuworker.lease_stats import DECODE
 from gpuworker.lease_visit import SplitPending, Visit, visit_wave
-from gpuworker.stacking import stacked_slot_arrays
 from shared.gpu_messages import Lease
 
 __all__ = ["SplitLeasing", "resident_first"]
@@ -51,10 +50,9 @@ def resident_first(experts: tuple[int, ...], resident: dict[int, int], *, lanes:
 
 
 class SplitLeasing:
-    """The lease client's split visits (its attributes: words, buffer, slot_bytes, store,
-    compute_lanes, _stack_pool, _stats, _bucket, _phase, _unsent, _unsent_last, and its
-    `_send`, `_await_reply`, `_lease_of`, `_settle`, `_admit`, `_flush`, `_settle_pending`,
-    `_wrap`, `_wrap_part`)."""
+    """The lease client's split visits (its attributes: words, compute_lanes, _stats, _phase,
+    _unsent, _unsent_last, and its `_in_parts`, `_send`, `_await_reply`, `_lease_of`, `_settle`,
+    `_admit`, `_flush`, `_wrap`, `_wrap_part`)."""
 
     def _may_split(self, visit: Visit, routes, staged) -> bool:
         """Whether a message-path visit may split: one decode row, one wave, copied in parts."""
@@ -82,9 +80,22 @@ class SplitLeasing:
                     if got is not None:
                         resident[expert] = got[0]
                 parts, ready = resident_first(experts, resident, lanes=self.compute_lanes)
+                lanes = part_lanes(len(parts), self.compute_lanes)
                 if ready and len(resident) < len(experts):
-                    self._settle_pending()  # the layers before may still read the pool's sets
-                    copied = [self._copy_ready(layer, parts[index], resident, index) for index in range(ready)]
+                    counted = Lease(  # the counted-in slots, as the shared path names them
+                        lease_id=-1,
+                        layer=layer,
+                        wave=0,
+                        waves=1,
+                        experts=tuple(resident),
+                        slots=tuple(resident.values()),
+                        generations=(0,) * len(resident),
+                        hits=len(resident),
+                    )
+                    # While the request travels: no compute waits for these copies.
+                    copied = [
+                        self._wrap_part(layer, parts[i], i, counted, lane=lanes[i], exposed=False) for i in range(ready)
+                    ]
             finally:
                 self.words.release(tuple(resident.values()))  # copied: nothing reads the slots any more
         except BaseException:
@@ -95,11 +106,9 @@ class SplitLeasing:
         visit.pending = SplitPending(piggyback)
         self._stats.split_visits += 1
         self._stats.split_early_experts += sum(len(parts[index]) for index in range(ready))
-        lanes = part_lanes(len(parts), self.compute_lanes)
 
         def take_part(index: int) -> dict[str, mx.array]:
             if index < ready:
-                self._stats.lane_parts[lanes[index]] += 1
                 return copied[index]
             lease = self._split_lease(visit)
             return self._wrap_part(layer, parts[index], index, lease, lane=lanes[index])
@@ -108,21 +117,6 @@ class SplitLeasing:
             return self._wrap(layer, experts, self._split_lease(visit))
 
         return [visit_wave(visit, 0, whole, parts=parts, part_lanes=lanes, take_part=take_part)]
-
-    def _copy_ready(self, layer: int, part: tuple[int, ...], resident: dict[int, int], index: int):
-        """Part `index` (resident experts only) copied from the counted-in slots into pool set `index`."""
-        started = time.perf_counter()
-        tensors, wrap = stacked_slot_arrays(
-            self.buffer,
-            [resident[e] for e in part],
-            self.slot_bytes,
-            [self.store.layout(layer, e) for e in part],
-            self._stack_pool,
-            tag=index,
-        )
-        # While the request travels: no compute waits for this copy.
-        self._stats.count_copy(self._bucket, time.perf_counter() - started, wrap.bytes_copied, wrap.path, exposed=False)
-        return tensors
 
     def _split_lease(self, visit: Visit) -> Lease:
         """The visit's lease: the reply its `routes` owes, taken (and checked) once."""

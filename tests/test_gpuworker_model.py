@@ -542,6 +542,10 @@ class PartedProvider(DetachedProvider):
         self.lanes = lanes
         self.parts_taken: list[tuple[int, int]] = []  # (part index, experts)
 
+    def order(self, ranks: list[int]) -> list[int]:
+        """The order the parts take a decode row's experts in (rank order)."""
+        return ranks
+
     def acquire(self, layer, routes):
         waves = super().acquire(layer, routes)
         if routes.shape[0] != 1:
@@ -549,7 +553,7 @@ class PartedProvider(DetachedProvider):
         [wave] = waves
         wave.discard()
         ranks = routes.reshape(-1).tolist()
-        parts = decode_parts(ranks, lanes=self.lanes)
+        parts = decode_parts(self.order(ranks), lanes=self.lanes)
 
         def take_part(index: int) -> dict[str, mx.array]:
             self.parts_taken.append((index, len(parts[index])))
@@ -626,32 +630,10 @@ class ReorderedProvider(PartedProvider):
         self.reorder = reorder
         self.reordered = 0
 
-    def acquire(self, layer, routes):
-        [*waves] = super().acquire(layer, routes)
-        if routes.shape[0] != 1:
-            return waves
-        [wave] = waves
-        order = tuple(self.reorder(routes.reshape(-1).tolist()))
-        self.reordered += order != tuple(routes.reshape(-1).tolist())
-        parts = decode_parts(order, lanes=self.lanes)
-
-        def take_part(index: int) -> dict[str, mx.array]:
-            self.parts_taken.append((index, len(parts[index])))
-            rows = mx.array(list(parts[index]))
-            return {name: array[rows] for name, array in self.experts[layer].items()}
-
-        return [
-            LeasedWave(
-                wave.expert_ids,
-                lambda: None,
-                lease=wave.lease,
-                stacked=True,
-                detached=True,
-                parts=parts,
-                take_part=take_part,
-                part_lanes=part_lanes(len(parts), self.lanes),
-            )
-        ]
+    def order(self, ranks: list[int]) -> list[int]:
+        order = list(self.reorder(ranks))
+        self.reordered += order != ranks
+        return order
 
 
 @pytest.mark.parametrize("lanes", [1, 2], ids=["1lane", "2lanes"])

@@ -167,15 +167,10 @@ def _tight_run(family, quantized, lanes, lease_path, models, caplog, record_prop
     log.info("system figures: %s", json.dumps(figures))
 
 
-@pytest.mark.parametrize(("family", "quantized", "lanes"), LANES)
-def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quantized, lanes, models, caplog):
-    """All but one expert of each layer resident: most decode visits lease through the lease
-    words, the rest take messages, evictions withdraw slots (scribbled and verified there).
-    LRU admits every miss, so the second job (the same prompt, the same routes) still misses;
-    `nextuse` may learn to keep out the one expert that job never uses, and with prefetch paused
-    serve it every visit from the lease words, leaving the message path untested."""
+def _all_but_one_resident(path, lanes, caplog, *, run_config=None):
+    """Two jobs of PROMPT with all but one expert of each layer resident (LRU), each checked
+    against mlx-lm: (first, second, the coordinator's test hooks, the jobs' GPU telemetry)."""
     caplog.set_level(logging.INFO)
-    path = models(family, quantized)
     store = ExpertStore.open(path)
     want = oracle(path, PROMPT, GENERATED)
     with _start(
@@ -184,12 +179,24 @@ def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quant
         slots_per_layer=store.experts_per_layer - 1,
         compute_lanes=lanes,
         replacement="lru",
+        run_config=run_config,
     ) as system:
         first = run_job(system, max_tokens=GENERATED)
         second = run_job(system, max_tokens=GENERATED)
         hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
         jobs = wait_for(lambda: len(found := _telemetry_of_jobs(caplog.records)) == 2 and found)
     assert max(_check_against(result, want) for result in (first, second)) <= RTOL
+    return first, second, hooks, jobs
+
+
+@pytest.mark.parametrize(("family", "quantized", "lanes"), LANES)
+def test_the_shared_lease_path_serves_resident_experts_token_exact(family, quantized, lanes, models, caplog):
+    """All but one expert of each layer resident: most decode visits lease through the lease
+    words, the rest take messages, evictions withdraw slots (scribbled and verified there).
+    LRU admits every miss, so the second job (the same prompt, the same routes) still misses;
+    `nextuse` may learn to keep out the one expert that job never uses, and with prefetch paused
+    serve it every visit from the lease words, leaving the message path untested."""
+    _, second, hooks, jobs = _all_but_one_resident(models(family, quantized), lanes, caplog)
     # Small waves (under decode_parts_min_bytes) are copied and computed whole: no parts.
     assert all(sum(job["lane_parts"]) == 0 for job in jobs), jobs
     # ... and copied ahead from the next layer's prediction while the layer before computed
@@ -209,23 +216,9 @@ def test_split_visits_compute_resident_experts_while_the_misses_load(lanes, mode
     missing expert sends its `routes` and computes its resident experts' parts before the lease
     comes (gpuworker.split_visit), from copies taken under reader counts; withdrawn slots are
     scribbled and verified, and the tokens stay mlx-lm's."""
-    caplog.set_level(logging.INFO)
     path = models(FAMILIES[0], True)
     store = ExpertStore.open(path)
-    want = oracle(path, PROMPT, GENERATED)
-    with _start(
-        path,
-        budget="all_resident",
-        slots_per_layer=store.experts_per_layer - 1,
-        compute_lanes=lanes,
-        replacement="lru",
-        run_config=dict(decode_parts_min_bytes=0),
-    ) as system:
-        first = run_job(system, max_tokens=GENERATED)
-        second = run_job(system, max_tokens=GENERATED)
-        hooks = wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 2 and counts)
-        jobs = wait_for(lambda: len(found := _telemetry_of_jobs(caplog.records)) == 2 and found)
-    assert max(_check_against(result, want) for result in (first, second)) <= RTOL
+    _, _, hooks, jobs = _all_but_one_resident(path, lanes, caplog, run_config=dict(decode_parts_min_bytes=0))
     log.info("split visits: %s", [(job["split_visits"], job["split_early_experts"]) for job in jobs])
     assert sum(job["split_visits"] for job in jobs) > 0, jobs
     # Each computed at least one resident expert early, and never all of its experts.
