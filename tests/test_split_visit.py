@@ -194,3 +194,19 @@ def test_split_copies_wait_for_the_outputs_that_read_the_pool_before():
     client._pending.append(earlier)  # a detached output of the layer before
     client.acquire(LAYER, np.array([[0, 1, 2, 3]], dtype=np.int32))
     assert not client._pending  # evaluated before the pool's sets were written
+
+
+def test_an_early_copy_that_fails_fences_the_lease_its_routes_gets(monkeypatch):
+    setup = _Setup({0: 0, 1: 1})
+    client, channel = setup.client, setup.channel
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(client, "_wrap_part", broken)
+    channel.replies.extend([_lease([0, 1, 2, 3], [0, 1, 2, 3], lease_id=11), Fenced(lease_id=11)])
+    with pytest.raises(RuntimeError, match="copy failed"):
+        client.acquire(LAYER, np.array([[0, 1, 2, 3]], dtype=np.int32))
+    # The lease came and was fenced unread; the counts ended; nothing is owed or held.
+    assert isinstance(channel.sent[0], Routes) and [m.lease_id for m in channel.sent if isinstance(m, Fence)] == [11]
+    assert not channel.replies and not client.holding and setup.readers() == [0] * SLOTS
