@@ -112,16 +112,8 @@ class CopyAhead:
         readers = self._last_readers.pop(tag, None)
         if readers:  # done already (the layers since fed on them), but say so to MLX
             mx.eval(*readers)
-        slots = self.words.lease(layer, experts)
-        if slots is not None:
-            staged_experts, staged_slots = list(experts), list(slots)
-        else:  # not all resident: count in one by one
-            staged_experts, staged_slots = [], []
-            for expert in experts:
-                got = self.words.lease(layer, (expert,))
-                if got is not None:
-                    staged_experts.append(expert)
-                    staged_slots.append(got[0])
+        resident = self.words.lease_resident(layer, experts)
+        staged_experts, staged_slots = list(resident), list(resident.values())
         if not staged_slots:
             return 0, 0.0
         try:

@@ -75,10 +75,7 @@ class SplitLeasing:
         copied: list[dict[str, mx.array]] | None = None
         try:
             try:
-                for expert in experts:
-                    got = self.words.lease(layer, (expert,))
-                    if got is not None:
-                        resident[expert] = got[0]
+                resident = self.words.lease_resident(layer, experts)
                 parts, ready = resident_first(experts, resident, lanes=self.compute_lanes)
                 lanes = part_lanes(len(parts), self.compute_lanes)
                 if ready and len(resident) < len(experts):

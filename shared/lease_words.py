@@ -94,6 +94,19 @@ class LeaseWords:
         """Count in on every expert's slot (in `experts` order), or on none: None (a miss)."""
         return _leasewords.lease(*self._args, layer, experts)
 
+    def lease_resident(self, layer: int, experts: Sequence[int]) -> dict[int, int]:
+        """Count in on the slot of each of `experts` that is resident: {expert: slot}, in
+        `experts` order (the others are left out)."""
+        slots = _leasewords.lease(*self._args, layer, experts)
+        if slots is not None:
+            return dict(zip(experts, slots))
+        resident = {}
+        for expert in experts:
+            got = _leasewords.lease(*self._args, layer, (expert,))
+            if got is not None:
+                resident[expert] = got[0]
+        return resident
+
     def release(self, slots: Sequence[int]) -> None:
         """Count out of each slot (a fence)."""
         _leasewords.release(*self._args, slots)

@@ -87,6 +87,18 @@ def test_lease_is_all_or_nothing_in_the_experts_order() -> None:
     assert _readers(words) == [0] * S
 
 
+def test_lease_resident_counts_in_on_the_resident_ones_only() -> None:
+    words = _words()
+    for slot, expert in ((2, 1), (0, 2)):
+        words.publish(slot, 0, expert)
+    assert words.lease_resident(0, [2, 0, 1]) == {2: 0, 1: 2}  # expert 0 is not resident
+    assert list(words.lease_resident(0, [1, 2])) == [1, 2]  # all resident: the experts' order
+    assert words.lease_resident(0, [0]) == {}
+    assert _readers(words) == [2, 0, 2, 0]
+    words.release((0, 2, 0, 2))
+    assert _readers(words) == [0] * S
+
+
 def test_release_errors_change_nothing() -> None:
     words = _words()
     words.publish(1, 0, 0)
