@@ -247,7 +247,7 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
             lines.append(
                 f"  GPU worker's compute thread per decode token: ran {compute['run_ms_per_token']:.1f} ms, "
                 f"waited {compute['wait_ms_per_token']:.1f} ms for a free CPU (all its threads "
-                f"{compute['threads_wait_ms_per_token']:.1f} ms)"
+                f"{compute['threads_wait_ms_per_token']:.1f} ms), preempted {compute['preempted_per_token']:.1f} times"
             )
         roof = s.get("roofline")
         if roof:

@@ -80,12 +80,14 @@ def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: 
     return {role: 1e3 * spent / max(1, tokens) for role, spent in roles.items()}
 
 
-def thread_schedstats(pid: int) -> dict[int, tuple[int, int]]:
-    """Each thread of `pid` and its (ns run on a CPU, ns runnable but waiting for one) so far.
+def thread_schedstats(pid: int) -> dict[int, tuple[int, int, int]]:
+    """Each thread of `pid` and its (ns run on a CPU, ns runnable but waiting for one, times it was
+    preempted) so far.
 
-    From /proc/<pid>/task/<tid>/schedstat (Linux); a thread that ended meanwhile is left out. Empty
-    where the kernel keeps no such figures (macOS, a kernel without schedstats) or `pid` is gone."""
-    stats: dict[int, tuple[int, int]] = {}
+    From /proc/<pid>/task/<tid>/schedstat and the `nonvoluntary_ctxt_switches` of its status
+    (Linux); a thread that ended meanwhile is left out. Empty where the kernel keeps no such
+    figures (macOS, a kernel without schedstats) or `pid` is gone."""
+    stats: dict[int, tuple[int, int, int]] = {}
     try:
         threads = process_threads(pid)
     except OSError:
@@ -94,34 +96,49 @@ def thread_schedstats(pid: int) -> dict[int, tuple[int, int]]:
         try:
             with open(f"/proc/{pid}/task/{thread}/schedstat") as file:
                 ran, waited, _slices = file.read().split()
-        except (OSError, ValueError):  # ended, or no schedstat in this kernel
+            with open(f"/proc/{pid}/task/{thread}/status") as file:
+                preempted = _status_field(file.read(), "nonvoluntary_ctxt_switches")
+        except (OSError, ValueError):  # ended, or this kernel keeps no such figures
             continue
-        stats[thread] = (int(ran), int(waited))
+        stats[thread] = (int(ran), int(waited), preempted)
     return stats
 
 
+def _status_field(status: str, name: str) -> int:
+    """An integer field of /proc/<pid>/status; ValueError when it is missing."""
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return int(value)
+    raise ValueError(f"no {name} in the status")
+
+
 def compute_thread_ms_per_token(
-    before: Mapping[int, tuple[int, int]], after: Mapping[int, tuple[int, int]], tokens: int
+    before: Mapping[int, tuple[int, int, int]], after: Mapping[int, tuple[int, int, int]], tokens: int
 ) -> dict[str, float] | None:
     """What the GPU worker's compute thread got between two `thread_schedstats` readings, per token.
 
     The compute thread is the one that ran longest in between (MLX's CPU stream of the first
     lane: the others run a fraction of its time). Its `wait_ms_per_token` is time it could have
     computed but found every core taken, by the helpers or by the worker's own threads
-    (`threads_wait_ms_per_token`: all its threads' waits together). None without readings, or
-    when they share no thread (another process: the worker was restarted in between)."""
+    (`threads_wait_ms_per_token`: all its threads' waits together); `preempted_per_token`, how
+    often the scheduler took its core from it for another thread (a helper's or the worker's own
+    that woke and found no idle core). None without readings, or when they share no thread
+    (another process: the worker was restarted in between)."""
     if not before.keys() & after.keys():
         return None
-    deltas: dict[int, tuple[int, int]] = {}
-    for thread, (ran, waited) in after.items():
-        ran_before, waited_before = before.get(thread, (0, 0))  # a thread started in between: from zero
-        deltas[thread] = (ran - ran_before, waited - waited_before)
-    ran, waited = max(deltas.values())
+    deltas: dict[int, tuple[int, int, int]] = {}
+    for thread, (ran, waited, preempted) in after.items():
+        # A thread started in between counts from zero.
+        ran_before, waited_before, preempted_before = before.get(thread, (0, 0, 0))
+        deltas[thread] = (ran - ran_before, waited - waited_before, preempted - preempted_before)
+    ran, waited, preempted = max(deltas.values())
     per = 1e-6 / max(1, tokens)
     return {
         "run_ms_per_token": ran * per,
         "wait_ms_per_token": waited * per,
-        "threads_wait_ms_per_token": sum(wait for _, wait in deltas.values()) * per,
+        "threads_wait_ms_per_token": sum(wait for _, wait, _ in deltas.values()) * per,
+        "preempted_per_token": preempted / max(1, tokens),
     }
 
 

@@ -101,7 +101,7 @@ class System:
         before = self.telemetry.count()
         cpu_before = process_cpu_s(self.system.pids)
         cpu_first: dict[str, float] | None = None  # at the first token: what follows is decode alone
-        sched_first: dict[int, tuple[int, int]] = {}
+        sched_first: dict[int, tuple[int, int, int]] = {}
         gpu_worker = self.system.pids["GPU worker"]
         got, done = [], None
         with Client(self.system.endpoint, timeout=600) as client:

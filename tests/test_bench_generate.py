@@ -107,6 +107,7 @@ def test_bench_generate_reports_both_comparisons(cache, order):
         if sys.platform.startswith("linux"):
             assert compute["run_ms_per_token"] > 0  # decode measured: the compute thread ran
             assert compute["threads_wait_ms_per_token"] >= compute["wait_ms_per_token"] >= 0
+            assert compute["preempted_per_token"] >= 0
             assert all(job["compute_thread"] for job in part["jobs"])
         # Decode alone leaves the prefill out: never more CPU than the whole job's (equal when the
         # prefill caught no clock tick).

@@ -21,7 +21,7 @@ def _spin(until: float) -> None:
 
 @linux_only
 def test_a_thread_that_spins_between_the_readings_is_the_one_that_ran_longest():
-    holder: dict[str, dict[int, tuple[int, int]]] = {}
+    holder: dict[str, dict[int, tuple[int, int, int]]] = {}
 
     def spin_and_read() -> None:
         holder["start"] = thread_schedstats(os.getpid())
@@ -38,27 +38,50 @@ def test_a_thread_that_spins_between_the_readings_is_the_one_that_ran_longest():
     assert figures is not None and 15 <= figures["run_ms_per_token"] + figures["wait_ms_per_token"] <= 60
     assert figures["run_ms_per_token"] > 5
     assert figures["threads_wait_ms_per_token"] >= figures["wait_ms_per_token"] >= 0
+    # A count of the kernel's, never smaller at the later reading (how often depends on the host).
+    assert figures["preempted_per_token"] >= 0
+    assert all(holder["end"][t][2] >= holder["start"][t][2] for t in holder["start"].keys() & holder["end"].keys())
+
+
+@linux_only
+def test_the_preemptions_are_the_threads_own_involuntary_switches():
+    stats = thread_schedstats(os.getpid())
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as file:
+        listed = next(int(line.split()[1]) for line in file if line.startswith("nonvoluntary_ctxt_switches:"))
+    # Read before the status above: the count can only have grown since.
+    assert 0 <= stats[threading.get_native_id()][2] <= listed
 
 
 def test_the_thread_that_ran_longest_is_picked_and_a_thread_started_in_between_counts_from_zero():
-    before = {1: (100_000_000, 5_000_000), 2: (50_000_000, 0)}
-    after = {1: (150_000_000, 25_000_000), 2: (60_000_000, 1_000_000), 3: (80_000_000, 4_000_000)}
-    # Thread 3 (new) ran 80 ms, thread 1 50 ms, thread 2 10 ms: thread 3 is the compute thread.
+    before = {1: (100_000_000, 5_000_000, 10), 2: (50_000_000, 0, 3)}
+    after = {1: (150_000_000, 25_000_000, 30), 2: (60_000_000, 1_000_000, 90), 3: (80_000_000, 4_000_000, 8)}
+    # Thread 3 (new) ran 80 ms, thread 1 50 ms, thread 2 10 ms: thread 3 is the compute thread (its
+    # preemptions are its own 8, not thread 2's 87).
     figures = compute_thread_ms_per_token(before, after, 4)
     assert figures == pytest.approx(
-        {"run_ms_per_token": 20.0, "wait_ms_per_token": 1.0, "threads_wait_ms_per_token": (20 + 1 + 4) / 4}
+        {
+            "run_ms_per_token": 20.0,
+            "wait_ms_per_token": 1.0,
+            "threads_wait_ms_per_token": (20 + 1 + 4) / 4,
+            "preempted_per_token": 2.0,
+        }
     )
     # A thread gone by the second reading is not in it and counts nothing.
     assert compute_thread_ms_per_token(before, {1: after[1]}, 1) == pytest.approx(
-        {"run_ms_per_token": 50.0, "wait_ms_per_token": 20.0, "threads_wait_ms_per_token": 20.0}
+        {
+            "run_ms_per_token": 50.0,
+            "wait_ms_per_token": 20.0,
+            "threads_wait_ms_per_token": 20.0,
+            "preempted_per_token": 20.0,
+        }
     )
 
 
 def test_no_figures_without_both_readings_of_one_process():
-    assert compute_thread_ms_per_token({}, {1: (1, 1)}, 3) is None
-    assert compute_thread_ms_per_token({1: (1, 1)}, {}, 3) is None
+    assert compute_thread_ms_per_token({}, {1: (1, 1, 1)}, 3) is None
+    assert compute_thread_ms_per_token({1: (1, 1, 1)}, {}, 3) is None
     # No thread in common: a restarted worker's threads would count their whole lives.
-    assert compute_thread_ms_per_token({1: (1, 1)}, {7: (9_000_000, 1)}, 3) is None
+    assert compute_thread_ms_per_token({1: (1, 1, 1)}, {7: (9_000_000, 1, 1)}, 3) is None
 
 
 def test_a_process_that_is_gone_has_no_threads_to_read():
