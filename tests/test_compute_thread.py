@@ -43,13 +43,18 @@ def test_a_thread_that_spins_between_the_readings_is_the_one_that_ran_longest():
     assert all(holder["end"][t][2] >= holder["start"][t][2] for t in holder["start"].keys() & holder["end"].keys())
 
 
+def _involuntary_switches() -> int:
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as file:
+        return next(int(line.split()[1]) for line in file if line.startswith("nonvoluntary_ctxt_switches:"))
+
+
 @linux_only
 def test_the_preemptions_are_the_threads_own_involuntary_switches():
+    # The kernel's count only grows: read between two readings of it, it lies between them.
+    before = _involuntary_switches()
     stats = thread_schedstats(os.getpid())
-    with open(f"/proc/self/task/{threading.get_native_id()}/status") as file:
-        listed = next(int(line.split()[1]) for line in file if line.startswith("nonvoluntary_ctxt_switches:"))
-    # Read before the status above: the count can only have grown since.
-    assert 0 <= stats[threading.get_native_id()][2] <= listed
+    after = _involuntary_switches()
+    assert before <= stats[threading.get_native_id()][2] <= after
 
 
 def test_the_thread_that_ran_longest_is_picked_and_a_thread_started_in_between_counts_from_zero():
