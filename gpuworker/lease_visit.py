@@ -17,7 +17,22 @@ from gpuworker.copy_ahead import StagedSet
 from gpuworker.expert_provider import LeasedWave
 from shared.gpu_messages import Lease
 
-__all__ = ["SplitPending", "Visit", "VisitWave", "check_lease", "visit_wave"]
+__all__ = ["SplitPending", "Visit", "VisitWave", "check_lease", "counted_lease", "visit_wave"]
+
+
+def counted_lease(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> Lease:
+    """The slots the worker counted itself in on through the lease words, as a `Lease` (no id: the
+    coordinator never issued it; the shared path and a split visit's early copies read by it)."""
+    return Lease(
+        lease_id=-1,
+        layer=layer,
+        wave=0,
+        waves=1,
+        experts=experts,
+        slots=slots,
+        generations=(0,) * len(slots),
+        hits=len(slots),
+    )
 
 
 def check_lease(visit: Visit, index: int, lease: Lease, *, total_slots: int, working_slots: int) -> None:

@@ -23,9 +23,9 @@ from gpuworker.copy_ahead import StagedSet
 from gpuworker.expert_provider import LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
 from gpuworker.lease_stats import DECODE
-from gpuworker.lease_visit import Visit, visit_wave
+from gpuworker.lease_visit import Visit, counted_lease, visit_wave
 from gpuworker.slots import COPY
-from shared.gpu_messages import Lease, Prediction, RouteMatrix, Visited
+from shared.gpu_messages import Prediction, RouteMatrix, Visited
 
 __all__ = ["SharedLeasing"]
 
@@ -91,16 +91,7 @@ class SharedLeasing:
         elapsed = time.perf_counter() - started
         self._bucket[2] += elapsed  # the lease wait, as a round trip's would be
         self._stats.wait_s += elapsed
-        lease = Lease(
-            lease_id=-1,
-            layer=layer,
-            wave=0,
-            waves=1,
-            experts=experts,
-            slots=slots,
-            generations=(0,) * len(slots),
-            hits=len(slots),
-        )
+        lease = counted_lease(layer, experts, slots)
         visit = Visit(layer, [experts], [lease], [False], stacked=self._stack_pool is not None, shared=slots)
         self._visit = visit
         self._stats.visit_waits.append(elapsed)

@@ -28,7 +28,7 @@ from gpuworker.channel import LeaseError
 from gpuworker.expert_provider import LeasedWave
 from gpuworker.lanes import decode_parts, part_lanes
 from gpuworker.lease_stats import DECODE
-from gpuworker.lease_visit import SplitPending, Visit, visit_wave
+from gpuworker.lease_visit import SplitPending, Visit, counted_lease, visit_wave
 from shared.gpu_messages import Lease
 
 __all__ = ["SplitLeasing", "resident_first"]
@@ -79,16 +79,7 @@ class SplitLeasing:
                 parts, ready = resident_first(experts, resident, lanes=self.compute_lanes)
                 lanes = part_lanes(len(parts), self.compute_lanes)
                 if ready and len(resident) < len(experts):
-                    counted = Lease(  # the counted-in slots, as the shared path names them
-                        lease_id=-1,
-                        layer=layer,
-                        wave=0,
-                        waves=1,
-                        experts=tuple(resident),
-                        slots=tuple(resident.values()),
-                        generations=(0,) * len(resident),
-                        hits=len(resident),
-                    )
+                    counted = counted_lease(layer, tuple(resident), tuple(resident.values()))
                     # While the request travels: no compute waits for these copies.
                     copied = [
                         self._wrap_part(layer, parts[i], i, counted, lane=lanes[i], exposed=False) for i in range(ready)
