@@ -3,8 +3,8 @@
 Each worker's DEALER says hello (index and pid), is welcomed and reports ready; a hello for an
 index held by a live worker is refused (two writers of the same slots), one for an index whose
 worker is known dead replaces it. A worker that dies is noticed by a pid watchdog (the pid comes
-with its hello; the psutil handle remembers the start time, so a reused pid does not look alive)
-or by `worker_lost()`. What a worker owes is its `outstanding` set of (slot, generation) loads:
+with its hello; `shared.pid_watch.PidWatch` names the process itself, so a reused pid does not look
+alive) or by `worker_lost()`. What a worker owes is its `outstanding` set of (slot, generation) loads:
 the sessions tell the slot side (`coordinator.backend.IOWorkerBackend`) about completions,
 readiness, losses and undelivered loads through callbacks and never touch a slot themselves.
 Loads are queued and sent once per turn of the event loop, a worker's in one message, and a turn's
@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import psutil
 import zmq
 import zmq.asyncio
 
@@ -42,6 +41,7 @@ from shared.io_messages import (
     Welcome,
     WorkerTelemetry,
 )
+from shared.pid_watch import PidWatch
 from shared.protocol import ProtocolError, decode, encode
 from shared.segments import ExpertIOHintSegment
 from shared.sockets import bound_endpoint, open_socket, remove_ipc_file
@@ -62,7 +62,7 @@ class WorkerSession:
     index: int
     identity: bytes
     pid: int
-    process: psutil.Process | None = None  # None: the pid named no process at hello
+    process: PidWatch | None = None  # its process, watched from its hello on (None: a refused hello's)
     ready: bool = False
     lost: bool = False
     modes: tuple[str, ...] = ()
@@ -77,19 +77,8 @@ class WorkerSession:
         return self.hints_sent - self.hint_status.completed - self.hint_status.dropped
 
 
-def _process(pid: int) -> psutil.Process | None:
-    """A handle that remembers the start time, so a reused pid does not look alive."""
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
-
-
-def running(process: psutil.Process | None) -> bool:
-    try:
-        return process is not None and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+def running(process: PidWatch | None) -> bool:
+    return process is not None and process.alive()
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +167,9 @@ class IOWorkerSessions:
                     pass
         self._sock.close(linger=0)
         remove_ipc_file(self.endpoint)
+        for worker in self.workers.values():
+            if worker.process is not None:
+                worker.process.close()
 
     # ------------------------------------------------------------ workers
 
@@ -250,6 +242,8 @@ class IOWorkerSessions:
         worker = self.workers.get(index)
         if worker is None or worker.lost:
             return
+        if worker.process is not None:
+            worker.process.close()  # lost for good: a restarted worker comes with a hello and a watch of its own
         if self.stopping and not worker.outstanding:  # it did what shutdown_workers() asked
             worker.lost = True
             logger.info("I/O worker %d (pid %d) exited after shutdown", index, worker.pid)
@@ -433,7 +427,7 @@ class IOWorkerSessions:
             self._by_identity.pop(previous.identity, None)  # a restarted worker after worker_lost()
             self._hints.retire(previous.hint_status)
             logger.info("I/O worker %d: pid %d replaces lost pid %d", hello.index, hello.pid, previous.pid)
-        worker = WorkerSession(index=hello.index, identity=identity, pid=hello.pid, process=_process(hello.pid))
+        worker = WorkerSession(index=hello.index, identity=identity, pid=hello.pid, process=PidWatch(hello.pid))
         self.workers[hello.index] = worker
         self._by_identity[identity] = hello.index
         self.send(worker, Welcome(index=hello.index), required=False)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import psutil
+from shared.pid_watch import PidWatch
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +83,11 @@ class GpuProgress:
         return f"no message for {silent:.1f} s while a job waits on it (allowed {allowed:.1f} s)"
 
 
-def kill_hung(process: psutil.Process | None, pid: int, what: str, reason: str) -> None:
-    """SIGKILL a hung worker (through its psutil handle, so a reused pid is never hit)."""
+def kill_hung(process: PidWatch | None, pid: int, what: str, reason: str) -> None:
+    """SIGKILL a hung worker (through its watch, so a reused pid is never hit)."""
     logger.error("%s (pid %d) is hung: %s; killing it", what, pid, reason)
-    try:
-        (process or psutil.Process(pid)).kill()
-    except psutil.Error as error:  # already gone: the pid watchdog handles it as a death
-        logger.info("%s (pid %d) could not be killed: %s", what, pid, error)
+    if process is None or not process.kill():  # already gone: the pid watchdog handles it as a death
+        logger.info("%s (pid %d) could not be killed: it had already exited", what, pid)
 
 
 __all__ = [

@@ -27,7 +27,7 @@ import zmq.asyncio
 from coordinator.backend import IOWorkerBackend
 from coordinator.fence_checks import FenceCheckedBackend, hook_report, with_fence_checks
 from coordinator.footprint import FootprintMeter
-from coordinator.gpu_session import GpuSession, alive
+from coordinator.gpu_session import GpuSession
 from coordinator.jobs import FrontDoorLimits, JobFrontDoor
 from coordinator.lease_publisher import LeasePublisher, PublishingBackend, lease_words_for
 from coordinator.leases import LeaseService
@@ -66,6 +66,7 @@ from shared.job_messages import (
     JobStats,
     ProcessInfo,
 )
+from shared.pid_watch import PidWatch, platform_liveness
 from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode
 from shared.slab import Slab
 from shared.sockets import send_routed
@@ -187,12 +188,12 @@ class Coordinator:
     async def watch_gpu(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if self.gpu.identity is not None and not alive(self.gpu.pid):
+            if self.gpu.identity is not None and not self.gpu.alive():
                 await self._gpu_lost(f"GPU worker pid {self.gpu.pid} exited", expected=bool(self.gpu.leaving))
             elif self.gpu.ready and self.front.active:
                 reason = self.progress.overdue(time.monotonic())
                 if reason is not None:  # killed, then handled as lost: the job fails `worker_hung`
-                    kill_hung(None, self.gpu.pid, "GPU worker", reason)
+                    kill_hung(self.gpu.watch, self.gpu.pid, "GPU worker", reason)
                     await self._gpu_lost(f"hung: {reason}", code=WORKER_HUNG)
 
     # ------------------------------------------------------ the GPU worker
@@ -283,14 +284,14 @@ class Coordinator:
                 logger.info("GPU worker pid %d said hello again", hello.pid)
                 self._welcome(identity)
                 return
-            if current.pid != hello.pid and alive(current.pid):
+            if current.pid != hello.pid and current.alive():
                 # Releasing a live worker's lease could let a slot be rewritten under its reads.
                 message = f"GPU worker pid {current.pid} is connected and alive; refusing pid {hello.pid}"
                 logger.warning("%s", message)
                 send_routed(self.gpu_sock, identity, ErrorReply(BAD_REQUEST, message))
                 return
             await self._gpu_lost(f"a new GPU worker (pid {hello.pid}) said hello")
-        self.gpu = GpuSession(epoch=self.gpu.epoch + 1, identity=identity, pid=hello.pid)
+        self.gpu = GpuSession(epoch=self.gpu.epoch + 1, identity=identity, pid=hello.pid, watch=PidWatch(hello.pid))
         self.publisher.reader_lost()  # a new reader: its message count starts at zero
         logger.info("GPU worker pid %d connected", hello.pid)
         self._welcome(identity)
@@ -331,6 +332,7 @@ class Coordinator:
             dense_bytes=ready.dense_bytes,
             wrap_path=ready.wrap_path,
             compiler_bytes=ready.compiler_bytes,
+            watch=self.gpu.watch,
         )
         logger.info(
             "GPU worker pid %d ready: %d dense bytes, wrap path %s, kernel compiler reserve %d",
@@ -348,6 +350,7 @@ class Coordinator:
             logger.info("GPU worker gone: %s after its goodbye", reason)
         else:
             logger.error("GPU worker lost: %s", reason)
+        self.gpu.close()
         self.gpu = GpuSession(epoch=self.gpu.epoch + 1)
         self.leases.release_for_lost_worker(reason)
         self.publisher.reader_lost()  # it was the only reader: nothing reads its slots now
@@ -377,6 +380,7 @@ class Coordinator:
             baseline_bytes=self.meter.baseline,
             compiler_bytes=self.sizing.compiler_bytes,
             slots_per_layer=self.sizing.sized.slots_per_layer if self.sizing.sized is not None else 0,
+            liveness=platform_liveness(),
         )
 
     def processes(self) -> tuple[ProcessInfo, ...]:
@@ -445,6 +449,7 @@ class Coordinator:
         self.stopping = True
         self.front.shutdown(SHUTTING_DOWN, "the coordinator is shutting down")
         self.io.shutdown_workers()
+        self.gpu.close()
 
 
 __all__ = ["GPU_MAX_MESSAGE_BYTES", "JOBS_MAX_MESSAGE_BYTES", "NOT_READY", "Coordinator"]

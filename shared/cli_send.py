@@ -215,6 +215,8 @@ def format_health(reply: HealthReply) -> str:
     """`ready` plus one line per process: role, pid, restarts, memory (PSS less its slab share)."""
     state = "ready" if reply.ready else "not ready"
     lines = [f"{state}: {reply.io_workers} I/O workers, GPU worker {'up' if reply.gpu_worker else 'down'}"]
+    if reply.liveness:
+        lines[0] += f"; worker exits seen by {reply.liveness}"
     lines += [
         f"{p.name:<14} pid {p.pid:<8} restarts {p.restarts}" + (f"  {_mib(p.memory_bytes)}" if p.memory_bytes else "")
         for p in reply.processes

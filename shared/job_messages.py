@@ -234,6 +234,7 @@ class HealthReply:
     baseline_bytes: int = 0  # the processes' memory the slab was sized after (0: not sized yet)
     compiler_bytes: int = 0  # the room kept for the GPU worker's kernel compiler when it was sized
     slots_per_layer: int = 0  # resident slots per sparse layer once sized (coordinator/footprint.py)
+    liveness: str = ""  # how the coordinator sees a worker exit: "pidfd", or "psutil" (polled; shared/pid_watch.py)
 
 
 COORDINATOR_ACCEPTS_FROM_CLIENTS = make_registry(Generate, CancelJob, StatsRequest, HealthRequest)

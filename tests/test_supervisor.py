@@ -134,6 +134,7 @@ def test_loopback_tcp_endpoint_a_given_run_dir_and_sigint(model, tmp_path):
     with Client(endpoint, timeout=30) as client:
         health = client.health()
         assert health.ready and health.io_workers == 1 and health.gpu_worker
+        assert health.liveness == ("pidfd" if hasattr(os, "pidfd_open") else "psutil")  # shared/pid_watch.py
     assert launched.signal(signal.SIGINT) == 0, launched.stderr()[-4000:]
     for pid in launched.pids.values():
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
