@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.prefetch import welcome_copy_ahead, welcome_prefetch
+from shared.config import RunConfig
+from shared.gpu_messages import GpuWelcome
 from shared.pid_watch import PidWatch
+from shared.store import ExpertStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,4 +33,22 @@ class GpuSession:
             self.watch.close()
 
 
-__all__ = ["GpuSession"]
+def gpu_welcome(config: RunConfig, store: ExpertStore, slab_name: str, *, shared_path: bool) -> GpuWelcome:
+    """What a worker that said hello is told: the slab's geometry, what to predict, and (on the
+    shared lease path) the lease words' shape and how far to copy ahead."""
+    plan = config.plan
+    return GpuWelcome(
+        slab_name=slab_name,
+        total_slots=plan.total_slots,
+        slot_bytes=plan.slot_bytes,
+        working_slots=plan.working_slots,
+        block_size=store.block_size,
+        prefetch=welcome_prefetch(config, store),
+        lease_layers=config.slab.lease_layers if shared_path else 0,
+        lease_experts=config.slab.lease_experts if shared_path else 0,
+        parts_min_bytes=config.decode_parts_min_bytes,
+        copy_ahead=welcome_copy_ahead(config, store) if shared_path else 0,
+    )
+
+
+__all__ = ["GpuSession", "gpu_welcome"]

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
-import zmq.asyncio
 
 from coordinator.io_hints import HintTotals
 from coordinator.io_results import BackendStateError, IOWorkerStartError
@@ -41,6 +40,7 @@ from shared.io_messages import (
     Welcome,
     WorkerTelemetry,
 )
+from shared.loop_socket import LoopSocket, plain_context
 from shared.pid_watch import PidWatch
 from shared.protocol import ProtocolError, decode, encode
 from shared.segments import ExpertIOHintSegment
@@ -99,16 +99,17 @@ class IOWorkerSessions:
     def __init__(
         self,
         *,
-        context: zmq.asyncio.Context,
+        context: zmq.Context,
         endpoint: str,
         workers: int,
         hint_capacity: int,
         events: SessionEvents,
         deadline: ProgressDeadline | None = None,
     ) -> None:
-        self._sock = open_socket(context, zmq.ROUTER, bind=endpoint)
+        # A plain socket served from the loop (shared.loop_socket): replies are handed on as they come.
+        self._sock = LoopSocket(open_socket(plain_context(context), zmq.ROUTER, bind=endpoint), self._on_frames)
         self._flush_scheduled = False
-        self.endpoint: str = bound_endpoint(self._sock)
+        self.endpoint: str = bound_endpoint(self._sock.sock)
         self.expected = workers
         self._hint_capacity = hint_capacity
         self._events = events
@@ -116,7 +117,6 @@ class IOWorkerSessions:
         self.workers: dict[int, WorkerSession] = {}
         self._by_identity: dict[bytes, int] = {}
         self._start_errors: dict[int, str] = {}
-        self._receiver: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self.counts = dict(bad_replies=0, worker_errors=0, workers_lost=0, workers_hung=0)
         self._hints = HintTotals()
@@ -130,10 +130,9 @@ class IOWorkerSessions:
     async def start(self, *, timeout: float, processes: Sequence[ChildProcess] = ()) -> None:
         """Wait until every worker is ready; IOWorkerStartError naming the failure
         (a worker's setup error, a child's exit code and stderr, a timeout)."""
-        if self._receiver is None:
-            loop = asyncio.get_running_loop()
-            self._receiver = loop.create_task(self._receive(), name="ioworker-replies")
-            self._watchdog = loop.create_task(self._watch(), name="ioworker-watchdog")
+        if self._watchdog is None:
+            self._sock.start()
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="ioworker-watchdog")
         deadline = time.monotonic() + timeout
         while sum(w.ready for w in self.workers.values()) < self.expected:
             dead = [p for p in processes if p.exit_code is not None]
@@ -158,14 +157,13 @@ class IOWorkerSessions:
     async def aclose(self) -> None:
         """Stop receiving and watching, close the socket and remove its ipc file."""
         self.closed = True
-        for task in (self._receiver, self._watchdog):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        self._sock.close(linger=0)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            try:
+                await self._watchdog
+            except asyncio.CancelledError:
+                pass
+        self._sock.close()
         remove_ipc_file(self.endpoint)
         for worker in self.workers.values():
             if worker.process is not None:
@@ -218,10 +216,10 @@ class IOWorkerSessions:
         payload = [frame for _, frame in queued] + frames
         error: BaseException | None = None
         for start in range(0, len(payload), MAX_FRAMES):
-            # DONTWAIT resolves at once; the asyncio socket re-reads its events after a send (edge-triggered)
-            sent = self._sock.send_multipart([worker.identity, *payload[start : start + MAX_FRAMES]], zmq.DONTWAIT)
-            error = sent.exception()
-            if error is not None:
+            try:
+                self._sock.send_multipart([worker.identity, *payload[start : start + MAX_FRAMES]])
+            except zmq.ZMQError as failed:
+                error = failed
                 break
         if error is not None and queued:
             # ZeroMQ takes a message whole or not at all: the chunks before the failed one were sent.
@@ -348,20 +346,14 @@ class IOWorkerSessions:
         kill_hung(worker.process, worker.pid, f"I/O worker {worker.index}", reason)
         self.worker_lost(worker.index, f"hung: {reason}")
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart()
-            while True:
-                try:
-                    self._dispatch(frames)
-                except Exception:  # a bad reply must never stop the coordinator
-                    self.counts["bad_replies"] += 1
-                    logger.exception("failed to handle a reply from an I/O worker")
-                # Drain what is already queued without a trip through the event loop.
-                ready = self._sock.recv_multipart(flags=zmq.DONTWAIT)
-                if ready.exception() is not None:  # zmq.Again: nothing more for now
-                    break
-                frames = ready.result()
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if self.closed:
+            return
+        try:
+            self._dispatch(frames)
+        except Exception:  # a bad reply must never stop the coordinator
+            self.counts["bad_replies"] += 1
+            logger.exception("failed to handle a reply from an I/O worker")
 
     def _bad(self, message: str, *args: object) -> None:
         self.counts["bad_replies"] += 1

@@ -28,6 +28,7 @@ from coordinator.usage import ExpertUsageLedger
 from shared.commands import parse_coordinator_argv
 from shared.config import RunConfig, read_config
 from shared.curve import load_server_keys
+from shared.loop_socket import LoopSocket, plain_context
 from shared.process import ProcessLife
 from shared.scheduling import enter_helper_scheduling
 from shared.slab import Slab
@@ -63,7 +64,7 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
     life.watch_loop(loop, on_stop)
     context = zmq.asyncio.Context()
     slab = coordinator = ledger = io = None
-    sockets: list[zmq.asyncio.Socket] = []
+    sockets: list[LoopSocket | zmq.asyncio.Socket] = []
     tasks: list[asyncio.Task] = []
     code = EXIT_OK
     try:
@@ -92,11 +93,18 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
         )
         # Only the job front door may face the network: a CURVE server when the run has keys.
         curve = load_server_keys(config.curve_keys) if config.curve_keys else None
-        for endpoint, max_bytes, keys in (
-            (config.endpoints.gpu, GPU_MAX_MESSAGE_BYTES, None),
-            (config.endpoints.jobs, JOBS_MAX_MESSAGE_BYTES, curve),
-        ):
-            sockets.append(open_socket(context, zmq.ROUTER, bind=endpoint, max_message_bytes=max_bytes, curve=keys))
+        # The GPU worker's messages, tens a decode token, come through a plain socket served from the
+        # loop (shared.loop_socket); the clients' through zmq.asyncio.
+        gpu = open_socket(
+            plain_context(context), zmq.ROUTER, bind=config.endpoints.gpu, max_message_bytes=GPU_MAX_MESSAGE_BYTES
+        )
+        sockets.append(LoopSocket(gpu))
+        sockets.append(
+            open_socket(
+                context, zmq.ROUTER, bind=config.endpoints.jobs, max_message_bytes=JOBS_MAX_MESSAGE_BYTES, curve=curve
+            )
+        )
+        sockets[0].start()
         coordinator = Coordinator(
             config=config, store=store, slab=slab, io=io, gpu_sock=sockets[0], jobs_sock=sockets[1], ledger=ledger
         )
@@ -151,7 +159,10 @@ async def run_coordinator(config: RunConfig, *, death_fd: int | None = None) -> 
             if coordinator is not None:
                 coordinator.meter.close()
             for sock in sockets:  # every socket closed before the context is terminated
-                sock.close(linger=0)
+                if isinstance(sock, LoopSocket):
+                    sock.close()
+                else:
+                    sock.close(linger=0)
             if io is not None:
                 await io.aclose()
             if ledger is not None:

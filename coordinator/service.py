@@ -27,14 +27,14 @@ import zmq.asyncio
 from coordinator.backend import IOWorkerBackend
 from coordinator.fence_checks import FenceCheckedBackend, hook_report, with_fence_checks
 from coordinator.footprint import FootprintMeter
-from coordinator.gpu_session import GpuSession
+from coordinator.gpu_session import GpuSession, gpu_welcome
 from coordinator.jobs import FrontDoorLimits, JobFrontDoor
 from coordinator.lease_publisher import LeasePublisher, PublishingBackend, lease_words_for
 from coordinator.leases import LeaseService
 from coordinator.liveness import GpuProgress, ProgressDeadline, kill_hung
 from coordinator.memory_budget import SlabSizing, measured_processes, system_roles
 from coordinator.metered_backend import LoadTimer, MeteredBackend
-from coordinator.prefetch import PrefetchBook, welcome_copy_ahead, welcome_prefetch
+from coordinator.prefetch import PrefetchBook, welcome_prefetch
 from coordinator.residency import ExpertResidencyManager
 from coordinator.safepoint import SafePoints
 from coordinator.stats import JobBook
@@ -47,7 +47,6 @@ from shared.gpu_messages import (
     GpuGoodbye,
     GpuHello,
     GpuReady,
-    GpuWelcome,
     JobDone,
     JobError,
     Lease,
@@ -66,6 +65,7 @@ from shared.job_messages import (
     JobStats,
     ProcessInfo,
 )
+from shared.loop_socket import LoopSocket
 from shared.pid_watch import PidWatch, platform_liveness
 from shared.protocol import BAD_REQUEST, ErrorReply, ProtocolError, decode
 from shared.slab import Slab
@@ -95,7 +95,7 @@ class Coordinator:
         store: ExpertStore,
         slab: Slab,
         io: IOWorkerBackend,
-        gpu_sock: zmq.asyncio.Socket,
+        gpu_sock: LoopSocket,
         jobs_sock: zmq.asyncio.Socket,
         ledger: ExpertUsageLedger | None,
     ) -> None:
@@ -297,23 +297,8 @@ class Coordinator:
         self._welcome(identity)
 
     def _welcome(self, identity: bytes) -> None:
-        plan = self.config.plan
-        send_routed(
-            self.gpu_sock,
-            identity,
-            GpuWelcome(
-                slab_name=self.slab.name,
-                total_slots=plan.total_slots,
-                slot_bytes=plan.slot_bytes,
-                working_slots=plan.working_slots,
-                block_size=self.store.block_size,
-                prefetch=self._prefetch_count,
-                lease_layers=self.config.slab.lease_layers if self.publisher.enabled else 0,
-                lease_experts=self.config.slab.lease_experts if self.publisher.enabled else 0,
-                parts_min_bytes=self.config.decode_parts_min_bytes,
-                copy_ahead=welcome_copy_ahead(self.config, self.store) if self.publisher.enabled else 0,
-            ),
-        )
+        shared = self.publisher.enabled
+        send_routed(self.gpu_sock, identity, gpu_welcome(self.config, self.store, self.slab.name, shared_path=shared))
 
     def _gpu_ready(self, identity: bytes, ready: GpuReady) -> None:
         if tuple(ready.sparse_layers) != tuple(self.store.sparse_layers):

@@ -135,14 +135,16 @@ def remove_ipc_file(endpoint: str) -> None:
 
 
 def send_routed(sock, identity: bytes, message: object) -> bool:
-    """Send `message` to the peer `identity` of a ROUTER (an asyncio socket) without blocking;
-    False (logged) when ZeroMQ refuses it: a peer that is gone or not keeping up."""
+    """Send `message` to the peer `identity` of a ROUTER (a `zmq.asyncio` socket, or a
+    `shared.loop_socket.LoopSocket`) without blocking; False (logged) when ZeroMQ refuses it: a
+    peer that is gone or not keeping up."""
     try:
         sent = sock.send_multipart([identity, encode(message)], flags=zmq.DONTWAIT)
     except zmq.ZMQError as error:
         logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
         return False
-    error = sent.exception() if sent.done() else None  # DONTWAIT resolves at once
+    # A zmq.asyncio send answers with a future, which DONTWAIT resolves at once; a LoopSocket's raises.
+    error = sent.exception() if sent is not None and sent.done() else None
     if error is not None:
         logger.warning("%s to %r dropped: %s", getattr(message, "OP", "?"), identity, error)
         return False
