@@ -250,6 +250,10 @@ class IOWorkerBackend:
     def physical_footprint(self) -> int:
         return self._slab.resident_bytes()
 
+    def send_submitted(self) -> None:
+        """Send the loads queued for this turn now (a demand wave about to wait for them)."""
+        self._sessions.flush()
+
     def hint_segments(self, segments: Sequence[ExpertIOHintSegment]) -> bool:
         """Queue advisory readahead; False when every worker's hint queue is full."""
         if not segments:

@@ -39,8 +39,10 @@ class ExpertResidencyBackend(Protocol):
 
     `wait` is the only asynchronous call: it resolves when the load of
     (slot, generation) has finished and raises if the read failed. Optional:
-    `hint_segments(segments) -> bool` (False when the bounded queue is full)
-    and `hint_telemetry() -> ExpertIOHintSnapshot`.
+    `hint_segments(segments) -> bool` (False when the bounded queue is full),
+    `hint_telemetry() -> ExpertIOHintSnapshot`, and `send_submitted()`: loads
+    submitted so far leave now (a backend that batches a turn's submits; the
+    demand path calls it before it waits, so its reads do not wait for the turn's end).
     """
 
     @property

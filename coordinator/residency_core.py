@@ -22,6 +22,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from coordinator.load_waits import drain_load, send_submitted, timed_wait
 from coordinator.replacement import ReplacementPolicy, choose_victim, replacement_policy
 from coordinator.residency_backend import ExpertResidencyBackend
 from coordinator.residency_types import (
@@ -160,11 +161,15 @@ class ResidencyCore:
                     await outcome
             submitted_at: dict[int, float] = {}
             self._submit_misses(layer, misses, loaded, submitted_at, counters)
-            # The misses read while the prefetches in flight land: neither waits for the other.
-            refetch, failure = await asyncio.gather(
-                self._await_in_flight(in_flight, entries),
-                self._land_misses(layer, loaded, submitted_at, counters, entries),
-            )
+            if loaded:
+                send_submitted(self._backend)
+            if in_flight:  # the misses read while the prefetches in flight land: neither waits for the other
+                refetch, failure = await asyncio.gather(
+                    self._await_in_flight(in_flight, entries),
+                    self._land_misses(layer, loaded, submitted_at, counters, entries),
+                )
+            else:  # awaited directly: each task and gather between a read's reply and the lease is a turn of the loop
+                refetch, failure = [], await self._land_misses(layer, loaded, submitted_at, counters, entries)
             if refetch and failure is None:  # a prefetch read failed: its expert is a plain miss now
                 again: list[SlotRecord] = []
                 self._submit_misses(layer, refetch, again, submitted_at, counters)
@@ -185,6 +190,9 @@ class ResidencyCore:
             self._hits += hits
             self._misses += len(entries) - hits
             self._replacement.touch(layer, unique)
+            settle = getattr(self._replacement, "settle", None)  # a policy that folds visits in later
+            if settle is not None:  # when the loop is idle: after the lease this returns has been sent
+                asyncio.get_running_loop().call_soon(settle)
         order = {expert: index for index, expert in enumerate(unique)}
         entries.sort(key=lambda entry: order[entry.expert_id])
         return ExpertBatchLease(self, entries)
@@ -329,10 +337,17 @@ class ResidencyCore:
         if not loaded:
             return None
         foreground_started = time.perf_counter()
-        outcomes = await asyncio.gather(
-            *(self._timed_wait(record, submitted_at[record.id], counters) for record in loaded),
-            return_exceptions=True,
-        )
+        if len(loaded) == 1:  # a decode wave's usual single miss: no task and gather to wait through
+            outcomes: list[BaseException | None] = [None]
+            try:
+                await timed_wait(self._backend, loaded[0], submitted_at[loaded[0].id], counters)
+            except Exception as error:
+                outcomes = [error]
+        else:
+            outcomes = await asyncio.gather(
+                *(timed_wait(self._backend, record, submitted_at[record.id], counters) for record in loaded),
+                return_exceptions=True,
+            )
         counters.foreground_wait_ms.append((time.perf_counter() - foreground_started) * 1e3)
         failure: BaseException | None = None
         for record, outcome in zip(loaded, outcomes):
@@ -377,33 +392,6 @@ class ResidencyCore:
 
     # -- internals ---------------------------------------------------------
 
-    async def _timed_wait(self, record: SlotRecord, submitted_at: float, counters: IOCounters) -> None:
-        try:
-            await self._backend.wait(record.id, record.generation)
-        finally:
-            counters.disk_service_ms.append((time.perf_counter() - submitted_at) * 1e3)
-
-    async def _drain(self, record: SlotRecord) -> asyncio.CancelledError | None:
-        """Wait until a cancelled load has ended, whatever the read's outcome.
-
-        Returns a cancellation of the caller that arrived meanwhile, for the
-        caller to re-raise once the manager is consistent again.
-        """
-        drain = asyncio.ensure_future(self._backend.wait(record.id, record.generation))
-        cancelled = None
-        while not drain.done():
-            try:
-                await asyncio.shield(drain)
-            except asyncio.CancelledError as again:
-                if drain.done() and drain.cancelled():
-                    break
-                cancelled = again
-            except Exception:
-                break
-        if drain.done() and not drain.cancelled():
-            drain.exception()  # retrieved: the outcome is irrelevant here
-        return cancelled
-
     async def _abort_acquire(
         self,
         error: BaseException,
@@ -434,7 +422,7 @@ class ResidencyCore:
                         errors.append(cleanup_error)
                     # The slot must be quiescent before it can be reused, so the
                     # drain outlasts a further cancellation; that one re-raises below.
-                    cancelled = await self._drain(record) or cancelled
+                    cancelled = await drain_load(self._backend, record) or cancelled
                     record.phase = "ready"
                 if record.phase == "ready":
                     self._table.try_forget(record, errors)

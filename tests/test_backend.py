@@ -488,3 +488,24 @@ def test_a_second_worker_cannot_take_a_live_index(tmp_path):
                 await backend.aclose()
 
     run(scenario())
+
+
+def test_send_submitted_sends_the_turns_loads_before_the_loop_turns(tmp_path):
+    """Loads are queued for the turn's end (one message); a demand wave about to wait sends them now."""
+
+    async def scenario() -> None:
+        with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
+            backend, worker = await fake_backend(tmp_path, slab)
+            try:
+                backend.submit_segments(0, 5, SEGMENTS)
+                backend.submit_segments(1, 6, SEGMENTS)
+                assert len(backend._sessions.workers[0].outbox) == 2  # queued, not sent yet
+                backend.send_submitted()
+                assert backend._sessions.workers[0].outbox == []
+                loads = await worker.message()
+                assert [(load.slot, load.generation) for load in loads] == [(0, 5), (1, 6)]  # one message
+            finally:
+                worker.sock.close()
+                await backend.aclose()
+
+    run(scenario())

@@ -93,6 +93,7 @@ def test_ids_past_the_first_size_grow_the_model_and_keep_what_it_learned():
         policy.touch(3, [1, 2])
     before = policy.rank(3, 1)
     policy.touch(3, [1, 300])
+    policy.settle()  # touches are folded in lazily (at the next rank, or here)
     assert policy._layers[3].experts >= 301
     assert math.isfinite(policy.rank(3, 300)) and policy.rank(3, 1) > policy.rank(3, 5)
     assert before != policy.rank(3, 1)
@@ -193,3 +194,21 @@ def test_the_core_promotes_a_waves_misses_in_the_policys_order():
     visit(manager, 0, [5])
     assert visit(manager, 0, [10, 2]) == [False, False]
     assert set(resident(manager)) == {(0, 5), (0, 10)}
+
+
+def test_touches_fold_in_lazily_and_in_order_so_ranks_are_the_same_as_eager_folds():
+    """`touch` only records; every rank (and the weights) settles first, in the touches' order: a
+    policy settled after every touch and one settled only when asked rank identically."""
+    eager, lazy = NextUse(), NextUse()
+    visits = _visits(5, 60)
+    for step, used in enumerate(visits):
+        layer = step % 3
+        for policy in (eager, lazy):
+            policy.touch(layer, used)
+        eager.settle()
+        if step % 7 == 6:  # the lazy one is asked now and then, across layers
+            assert np.array_equal(eager.ranks(layer), lazy.ranks(layer))
+    assert lazy._pending  # touched since its last rank
+    assert eager.weights == lazy.weights and not lazy._pending
+    for layer in range(3):
+        assert np.array_equal(eager.ranks(layer), lazy.ranks(layer))

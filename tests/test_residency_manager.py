@@ -1388,3 +1388,58 @@ async def test_residency_map_lists_only_ready_resident_and_pinned(tmp_path) -> N
     manager_without, _ = make()
     await wave(manager_without, 0, [1])
     assert [e.usage for e in manager_without.residency_map()] == [None]
+
+
+# -- acquire: the demand path's sends and waits ---------------------------------------
+
+
+class _SendingBackend(InMemoryBackend):
+    """Records the order of submits, the `send_submitted` hook and waits."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple] = []
+
+    def submit_segments(self, slot, generation, segments):
+        super().submit_segments(slot, generation, segments)
+        self.events.append(("submit", slot))
+
+    def send_submitted(self):
+        self.events.append(("send",))
+
+    async def wait(self, slot, generation):
+        self.events.append(("wait", slot))
+        await super().wait(slot, generation)
+
+
+@run_async
+async def test_a_wave_sends_its_misses_before_it_waits_and_a_wave_of_hits_sends_nothing() -> None:
+    plan = one_byte_plan(layers=(0,), working=2, per_layer=2)
+    backend = _SendingBackend(plan.total_slots)
+    manager = ExpertResidencyManager(plan=plan, sparse_layer_ids=[0], backend=backend, locate=locate)
+    await wave(manager, 0, [1, 2])
+    assert backend.events == [("submit", 0), ("submit", 1), ("send",), ("wait", 0), ("wait", 1)]
+    backend.events.clear()
+    await wave(manager, 0, [2, 1])  # both resident now
+    assert backend.events == []
+    await wave(manager, 0, [3])  # a single miss: awaited directly, sent first all the same
+    assert [event[0] for event in backend.events] == ["submit", "send", "wait"]
+
+
+@pytest.mark.parametrize("misses", [[3], [3, 4]])
+@run_async
+async def test_a_failed_miss_rolls_back_whether_alone_or_not(misses) -> None:
+    """One miss is awaited directly, several through a gather: a read error leaves the same state."""
+    manager, backend = make(working=2, per_layer=2)
+    backend.fail_load(failing(0, 3))
+    before = manager.snapshot()
+    with pytest.raises(OSError, match="injected read failure"):
+        await manager.acquire_block(0, misses)
+    snap = manager.snapshot()
+    assert not manager.active and (snap.leased, snap.loading, snap.disabled) == (0, 0, 0)
+    assert (snap.hits, snap.misses) == (before.hits, before.misses) and resident(manager) == {}
+    telemetry = manager.drain_demand_telemetry()
+    assert telemetry.disk_service.count == len(misses) and telemetry.foreground_wait.count == 1
+    lease = await manager.acquire_block(0, misses)  # usable: they miss again, and load
+    assert [e.hit for e in lease.entries] == [False] * len(misses)
+    lease.release_fenced()
