@@ -261,8 +261,7 @@ class IOWorkerBackend:
         return self._sessions.hint(check_segments(segments, slot_bytes=None, manifest=self._files))
 
     def hint_telemetry(self) -> ExpertIOHintSnapshot:
-        """Cumulative hint counters: submitted counts messages this backend sent,
-        dropped both its own refusals and the workers' queue drops."""
+        """Cumulative hint counters: messages this backend sent; drops, its refusals and the workers'."""
         return self._sessions.hint_telemetry()
 
     # ------------------------------------------------------------ telemetry
@@ -284,11 +283,8 @@ class IOWorkerBackend:
         return await self._sessions.request_telemetry(timeout=timeout)
 
     def worker_lost(self, index: int, reason: str) -> None:
-        """A worker process is gone: its in-flight loads go to a live worker at once.
-
-        Nothing writes them any more, so sending the same (slot, generation) again is safe;
-        a late completion from the dead worker is stale (no longer outstanding) and ignored.
-        With no live worker they wait for a restarted one, or fail (`worker_lost`)."""
+        """A worker process is gone: its in-flight loads go to a live worker at once (nothing writes
+        them any more; its late completions are stale), or wait for a restarted one, or fail."""
         self._sessions.worker_lost(index, reason)
 
     # ------------------------------------------------------------- internals
