@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -296,33 +297,40 @@ async def fake_backend(tmp_path: Path, slab: Slab, **options) -> tuple[IOWorkerB
     return backend, worker
 
 
+@contextlib.asynccontextmanager
+async def faked_backend(tmp_path: Path, *, slots: int, **options):
+    """(backend, fake worker) over a new slab of `slots`; the worker's socket and the backend closed after."""
+    with Slab.create(total_slots=slots, slot_bytes=SLOT) as slab:
+        backend, worker = await fake_backend(tmp_path, slab, **options)
+        try:
+            yield backend, worker
+        finally:
+            worker.sock.close()
+            await backend.aclose()
+
+
 SEGMENTS = (ExpertIOSegment(0, 0, 10, 0),)
 
 
 def test_stale_and_bad_replies_are_counted_never_applied(tmp_path):
     async def scenario() -> None:
-        with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
-            backend, worker = await fake_backend(tmp_path, slab)
-            try:
-                backend.submit_segments(0, 5, SEGMENTS)
-                load = await worker.command()
-                assert isinstance(load, Load) and load.generation == 5
-                await worker.reply(Loaded(slot=0, generation=4, ok=True, bytes=10))  # stale generation
-                await worker.reply(Loaded(slot=1, generation=5, ok=True, bytes=10))  # never submitted
-                await worker.reply(Loaded(slot=99, generation=5, ok=True))  # no such slot
-                await worker.sock.send(b"\xc1 not msgpack")
-                await worker.reply(HintStatus(completed=0))
-                assert backend.phase(0) == "loading" and backend.phase(1) == "idle"
-                telemetry = backend.telemetry()
-                assert (telemetry.stale_completions, telemetry.bad_replies) == (3, 1)
-                await worker.reply(Loaded(slot=0, generation=5, ok=True, bytes=10))
-                await backend.wait(0, 5)
-                assert backend.phase(0) == "ready"
-                await worker.reply(Loaded(slot=0, generation=5, ok=False, error="late duplicate"))
-                assert backend.phase(0) == "ready" and backend.telemetry().stale_completions == 4
-            finally:
-                worker.sock.close()
-                await backend.aclose()
+        async with faked_backend(tmp_path, slots=2) as (backend, worker):
+            backend.submit_segments(0, 5, SEGMENTS)
+            load = await worker.command()
+            assert isinstance(load, Load) and load.generation == 5
+            await worker.reply(Loaded(slot=0, generation=4, ok=True, bytes=10))  # stale generation
+            await worker.reply(Loaded(slot=1, generation=5, ok=True, bytes=10))  # never submitted
+            await worker.reply(Loaded(slot=99, generation=5, ok=True))  # no such slot
+            await worker.sock.send(b"\xc1 not msgpack")
+            await worker.reply(HintStatus(completed=0))
+            assert backend.phase(0) == "loading" and backend.phase(1) == "idle"
+            telemetry = backend.telemetry()
+            assert (telemetry.stale_completions, telemetry.bad_replies) == (3, 1)
+            await worker.reply(Loaded(slot=0, generation=5, ok=True, bytes=10))
+            await backend.wait(0, 5)
+            assert backend.phase(0) == "ready"
+            await worker.reply(Loaded(slot=0, generation=5, ok=False, error="late duplicate"))
+            assert backend.phase(0) == "ready" and backend.telemetry().stale_completions == 4
         assert not (tmp_path / "fake.sock").exists()  # the backend removes its ipc socket file
 
     run(scenario())
@@ -330,27 +338,22 @@ def test_stale_and_bad_replies_are_counted_never_applied(tmp_path):
 
 def test_the_loads_of_one_turn_go_as_one_message_and_a_cancel_keeps_its_place(tmp_path):
     async def scenario() -> None:
-        with Slab.create(total_slots=3, slot_bytes=SLOT) as slab:
-            backend, worker = await fake_backend(tmp_path, slab)
-            try:
-                for slot in range(3):  # a prefetch wave: queued, sent after this turn of the loop
-                    backend.submit_segments(slot, 1, SEGMENTS)
-                assert await worker.message() == [Load(slot=slot, generation=1, segments=SEGMENTS) for slot in range(3)]
-                await worker.sock.send_multipart(  # replies ready together: one message
-                    [encode(Loaded(slot=slot, generation=1, ok=True, bytes=10)) for slot in (0, 2)]
-                )
-                await asyncio.gather(backend.wait(0, 1), backend.wait(2, 1))
-                backend.discard(0, 1)
-                backend.submit_segments(0, 2, SEGMENTS)
-                backend.cancel(1, 1)  # sent at once, after (and with) the load queued before it
-                assert await worker.message() == [
-                    Load(slot=0, generation=2, segments=SEGMENTS),
-                    Cancel(slot=1, generation=1),
-                ]
-                assert backend.telemetry().bad_replies == 0
-            finally:
-                worker.sock.close()
-                await backend.aclose()
+        async with faked_backend(tmp_path, slots=3) as (backend, worker):
+            for slot in range(3):  # a prefetch wave: queued, sent after this turn of the loop
+                backend.submit_segments(slot, 1, SEGMENTS)
+            assert await worker.message() == [Load(slot=slot, generation=1, segments=SEGMENTS) for slot in range(3)]
+            await worker.sock.send_multipart(  # replies ready together: one message
+                [encode(Loaded(slot=slot, generation=1, ok=True, bytes=10)) for slot in (0, 2)]
+            )
+            await asyncio.gather(backend.wait(0, 1), backend.wait(2, 1))
+            backend.discard(0, 1)
+            backend.submit_segments(0, 2, SEGMENTS)
+            backend.cancel(1, 1)  # sent at once, after (and with) the load queued before it
+            assert await worker.message() == [
+                Load(slot=0, generation=2, segments=SEGMENTS),
+                Cancel(slot=1, generation=1),
+            ]
+            assert backend.telemetry().bad_replies == 0
 
     run(scenario())
 
@@ -393,79 +396,69 @@ def test_a_tuple_of_segments_is_checked_once_and_a_bad_one_every_time(tmp_path, 
     monkeypatch.setattr(backend_module, "check_segments", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
 
     async def scenario() -> None:
-        with Slab.create(total_slots=5, slot_bytes=SLOT) as slab:
-            backend, worker = await fake_backend(tmp_path, slab)
-            try:
-                backend.submit_segments(0, 1, SEGMENTS)
-                backend.submit_segments(1, 2, SEGMENTS)
-                backend.submit_segments(2, 3, list(SEGMENTS))  # a list may change: checked each time
-                backend.submit_segments(3, 4, list(SEGMENTS))
-                assert [type(s) for s in calls] == [tuple, list, list]
-                bad = (ExpertIOSegment(5, 0, 10, 0),)  # no file 5 in a manifest of 2
-                for _ in range(2):
-                    with pytest.raises(ValueError, match="file index 5"):
-                        backend.submit_segments(4, 9, bad)
-                assert calls[3:] == [bad, bad]
-            finally:
-                worker.sock.close()
-                await backend.aclose()
+        async with faked_backend(tmp_path, slots=5) as (backend, _):
+            backend.submit_segments(0, 1, SEGMENTS)
+            backend.submit_segments(1, 2, SEGMENTS)
+            backend.submit_segments(2, 3, list(SEGMENTS))  # a list may change: checked each time
+            backend.submit_segments(3, 4, list(SEGMENTS))
+            assert [type(s) for s in calls] == [tuple, list, list]
+            bad = (ExpertIOSegment(5, 0, 10, 0),)  # no file 5 in a manifest of 2
+            for _ in range(2):
+                with pytest.raises(ValueError, match="file index 5"):
+                    backend.submit_segments(4, 9, bad)
+            assert calls[3:] == [bad, bad]
 
     run(scenario())
 
 
 def test_slot_phases_refuse_writes_to_leased_or_loading_slots(tmp_path):
     async def scenario() -> None:
-        with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
-            backend, worker = await fake_backend(tmp_path, slab, hint_capacity=1)
-            try:
-                backend.submit_segments(0, 1, SEGMENTS)
-                await worker.command()
-                with pytest.raises(BackendStateError, match="slot 0 refused: it is loading"):
-                    backend.submit_segments(0, 2, SEGMENTS)
-                with pytest.raises(BackendStateError, match="in flight"):
-                    backend.discard(0, 1)
-                with pytest.raises(BackendStateError, match="it is loading"):
-                    backend.lease(0, 1)
-                with pytest.raises(StaleGenerationError):
-                    await backend.wait(0, 2)
-                await worker.reply(Loaded(slot=0, generation=1, ok=True, bytes=10))
-                await backend.wait(0, 1)
-                with pytest.raises(StaleGenerationError):
-                    backend.lease(0, 2)
-                backend.lease(0, 1)
-                with pytest.raises(BackendStateError, match="it is leased"):
-                    backend.submit_segments(0, 3, SEGMENTS)
-                with pytest.raises(BackendStateError, match="leased"):
-                    backend.discard(0, 1)
-                backend.release_gpu_fenced(0, 1)
-                with pytest.raises(BackendStateError, match="it is ready"):
-                    backend.release_gpu_fenced(0, 1)
+        async with faked_backend(tmp_path, slots=2, hint_capacity=1) as (backend, worker):
+            backend.submit_segments(0, 1, SEGMENTS)
+            await worker.command()
+            with pytest.raises(BackendStateError, match="slot 0 refused: it is loading"):
+                backend.submit_segments(0, 2, SEGMENTS)
+            with pytest.raises(BackendStateError, match="in flight"):
                 backend.discard(0, 1)
-                assert backend.phase(0) == "idle"
-                with pytest.raises(StaleGenerationError, match="not newer"):
-                    backend.submit_segments(0, 1, SEGMENTS)
-                with pytest.raises(StaleGenerationError):
-                    backend.cancel(0, 9)
-                for bad, error in (
-                    ((), ValueError),
-                    ((ExpertIOSegment(0, 0, 10, SLOT - 5),), ValueError),
-                    ((ExpertIOSegment(2, 0, 10, 0),), ValueError),
-                    ((ExpertIOSegment(0, 0, 0, 0),), ValueError),
-                    (("nope",), TypeError),
-                ):
-                    with pytest.raises(error):
-                        backend.submit_segments(1, 10, bad)
-                assert backend.phase(1) == "idle"  # refused submits change nothing
-                with pytest.raises(ValueError, match="outside the slab"):
-                    backend.submit_segments(2, 10, SEGMENTS)
-                # The fake worker never reports hint progress: the second hint finds its queue full.
-                assert backend.hint_segments([ExpertIOHintSegment(0, 0, 10)])
-                assert not backend.hint_segments([ExpertIOHintSegment(0, 0, 10)])
-                snapshot = backend.hint_telemetry()
-                assert (snapshot.submitted, snapshot.dropped, snapshot.queue_depth) == (1, 1, 1)
-            finally:
-                worker.sock.close()
-                await backend.aclose()
+            with pytest.raises(BackendStateError, match="it is loading"):
+                backend.lease(0, 1)
+            with pytest.raises(StaleGenerationError):
+                await backend.wait(0, 2)
+            await worker.reply(Loaded(slot=0, generation=1, ok=True, bytes=10))
+            await backend.wait(0, 1)
+            with pytest.raises(StaleGenerationError):
+                backend.lease(0, 2)
+            backend.lease(0, 1)
+            with pytest.raises(BackendStateError, match="it is leased"):
+                backend.submit_segments(0, 3, SEGMENTS)
+            with pytest.raises(BackendStateError, match="leased"):
+                backend.discard(0, 1)
+            backend.release_gpu_fenced(0, 1)
+            with pytest.raises(BackendStateError, match="it is ready"):
+                backend.release_gpu_fenced(0, 1)
+            backend.discard(0, 1)
+            assert backend.phase(0) == "idle"
+            with pytest.raises(StaleGenerationError, match="not newer"):
+                backend.submit_segments(0, 1, SEGMENTS)
+            with pytest.raises(StaleGenerationError):
+                backend.cancel(0, 9)
+            for bad, error in (
+                ((), ValueError),
+                ((ExpertIOSegment(0, 0, 10, SLOT - 5),), ValueError),
+                ((ExpertIOSegment(2, 0, 10, 0),), ValueError),
+                ((ExpertIOSegment(0, 0, 0, 0),), ValueError),
+                (("nope",), TypeError),
+            ):
+                with pytest.raises(error):
+                    backend.submit_segments(1, 10, bad)
+            assert backend.phase(1) == "idle"  # refused submits change nothing
+            with pytest.raises(ValueError, match="outside the slab"):
+                backend.submit_segments(2, 10, SEGMENTS)
+            # The fake worker never reports hint progress: the second hint finds its queue full.
+            assert backend.hint_segments([ExpertIOHintSegment(0, 0, 10)])
+            assert not backend.hint_segments([ExpertIOHintSegment(0, 0, 10)])
+            snapshot = backend.hint_telemetry()
+            assert (snapshot.submitted, snapshot.dropped, snapshot.queue_depth) == (1, 1, 1)
 
     run(scenario())
 
@@ -494,18 +487,13 @@ def test_send_submitted_sends_the_turns_loads_before_the_loop_turns(tmp_path):
     """Loads are queued for the turn's end (one message); a demand wave about to wait sends them now."""
 
     async def scenario() -> None:
-        with Slab.create(total_slots=2, slot_bytes=SLOT) as slab:
-            backend, worker = await fake_backend(tmp_path, slab)
-            try:
-                backend.submit_segments(0, 5, SEGMENTS)
-                backend.submit_segments(1, 6, SEGMENTS)
-                assert len(backend._sessions.workers[0].outbox) == 2  # queued, not sent yet
-                backend.send_submitted()
-                assert backend._sessions.workers[0].outbox == []
-                loads = await worker.message()
-                assert [(load.slot, load.generation) for load in loads] == [(0, 5), (1, 6)]  # one message
-            finally:
-                worker.sock.close()
-                await backend.aclose()
+        async with faked_backend(tmp_path, slots=2) as (backend, worker):
+            backend.submit_segments(0, 5, SEGMENTS)
+            backend.submit_segments(1, 6, SEGMENTS)
+            assert len(backend._sessions.workers[0].outbox) == 2  # queued, not sent yet
+            backend.send_submitted()
+            assert backend._sessions.workers[0].outbox == []
+            loads = await worker.message()
+            assert [(load.slot, load.generation) for load in loads] == [(0, 5), (1, 6)]  # one message
 
     run(scenario())
