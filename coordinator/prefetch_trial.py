@@ -14,7 +14,10 @@ without (after a warm-up epoch with it), and keeps prefetch unless steps are
 `KEEP_MARGIN` slower with it; after `early_epochs` a side the trial ends early
 when the sides already differ by `CLEAR_RATIO` either way (a clear win spends no
 more epochs without prefetch). After `recheck_steps` it tries again, as the load
-and what is resident change. Only steps that carried a prediction
+and what is resident change; while trials keep reaching the same verdict, the wait
+doubles, up to `MAX_HOLD_FACTOR` times `recheck_steps` (every trial spends steps
+without prefetch: at least 16 of every 512 were a steady tax where it wins), and a
+changed verdict brings it back to `recheck_steps`. Only steps that carried a prediction
 are timed (with nothing predicted both sides are the same). The first step of
 an epoch is not timed: it runs on what the other side left resident. While
 prefetch is paused the GPU worker predicts nothing either (`job_starts`: each
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 EPOCH_STEPS = 8  # decode steps per epoch
 TRIAL_EPOCHS = 4  # epochs per side in a trial; adjacent epochs of the two sides are compared
 RECHECK_STEPS = 512  # decode steps a verdict holds before the next trial
+MAX_HOLD_FACTOR = 8  # a verdict the trials keep repeating holds up to this many times as long
 # Prefetch is paused only when steps are this much slower with it: a wrong pause costs what
 # prefetch saves (11% on this host's default benchmark, far more where decode waits for the disk),
 # a wrong keep only what its reads cost (a few percent on a CPU host's many small experts).
@@ -68,6 +72,8 @@ class StepTrial:
     _started: float | None = None  # when the decode step in progress started (None: none is)
     _predicted: bool = False  # the step in progress carried a prediction
     _held: int = 0  # decode steps since the verdict
+    _hold: int = 0  # decode steps the current verdict holds (recheck_steps, doubled while verdicts repeat)
+    _last_verdict: str | None = None
     _trial_predicted: bool = False  # a step of the trial in progress carried a prediction
 
     def __post_init__(self) -> None:
@@ -77,6 +83,7 @@ class StepTrial:
                 f"got {self.epoch_steps}, {self.trial_epochs}, {self.recheck_steps}, {self.early_epochs}"
             )
         self._index = self._warmup_index()
+        self._hold = self.recheck_steps
 
     def _warmup_index(self) -> int:
         """A trial begins with an epoch of untimed steps with prefetch: the first trial runs while
@@ -97,7 +104,7 @@ class StepTrial:
     def job_starts(self) -> bool:
         """A job is about to start: whether its decode steps are to predict (not while paused).
         A pause whose time is up ends here, so that the trial after it runs on predicting steps."""
-        if self.state == "off" and self._held >= self.recheck_steps:
+        if self.state == "off" and self._held >= self._hold:
             self._retry()
         return self.state != "off"
 
@@ -140,7 +147,7 @@ class StepTrial:
             self.steps_without += 1
         if self.state != "trial":
             self._held += 1
-            if self.state == "on" and self._held >= self.recheck_steps:
+            if self.state == "on" and self._held >= self._hold:
                 self._retry()  # the steps predict: the trial can start with the next one
         elif self._predicted and now is not None and self._index > 0:
             self._epoch.append((now - self._started) * 1e3)
@@ -166,6 +173,9 @@ class StepTrial:
         self.prefetching = ratio <= KEEP_MARGIN
         self.state = "on" if self.prefetching else "off"
         self._held = 0
+        repeated = self._last_verdict == self.state
+        self._hold = min(2 * self._hold, MAX_HOLD_FACTOR * self.recheck_steps) if repeated else self.recheck_steps
+        self._last_verdict = self.state
         with_ms = statistics.median(ms for prefetching, ms in self._epochs if prefetching)
         without_ms = statistics.median(ms for prefetching, ms in self._epochs if not prefetching)
         logger.info(
@@ -178,7 +188,7 @@ class StepTrial:
             ratio,
             len(ratios),
             f"; early, beyond {CLEAR_RATIO:.2f} either way" if early else "",
-            self.recheck_steps,
+            self._hold,
         )
 
     def _retry(self) -> None:
@@ -189,4 +199,13 @@ class StepTrial:
         self._index = self._warmup_index()
 
 
-__all__ = ["CLEAR_RATIO", "EARLY_EPOCHS", "EPOCH_STEPS", "KEEP_MARGIN", "RECHECK_STEPS", "TRIAL_EPOCHS", "StepTrial"]
+__all__ = [
+    "CLEAR_RATIO",
+    "EARLY_EPOCHS",
+    "EPOCH_STEPS",
+    "KEEP_MARGIN",
+    "MAX_HOLD_FACTOR",
+    "RECHECK_STEPS",
+    "TRIAL_EPOCHS",
+    "StepTrial",
+]

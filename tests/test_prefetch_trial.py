@@ -5,6 +5,7 @@ steps timed; and its figures in the prefetch book's telemetry."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -329,3 +330,41 @@ def test_the_front_door_tells_each_job_whether_to_predict(predicts):
     door = JobFrontDoor(host=host)
     asyncio.run(door.handle_client([b"client", encode(Generate(id="a", prompt_tokens=(1, 2), max_tokens=4))]))
     assert [type(m) for m in host.gpu] == [Job] and host.gpu[0].predict is predicts
+
+
+def _trial_starts(trial: StepTrial, steps: int, *, with_ms, without_ms) -> list[int]:
+    """The steps at which a trial (after the first) began."""
+    starts, now, before = [], 0.0, trial.state
+    for step in range(steps):
+        trial.step_started(now)
+        trial.saw_prediction()
+        if trial.state == "trial" and before != "trial":
+            starts.append(step)
+        before = trial.state
+        ms = with_ms(step) if callable(with_ms) else with_ms
+        now += (ms if trial.prefetching else without_ms) / 1e3
+    return starts
+
+
+def test_a_verdict_the_trials_keep_reaching_holds_longer_each_time_up_to_a_bound(caplog):
+    """Each trial costs steps without prefetch: a verdict repeated doubles its hold (20, 40, 80,
+    then 8 x 20 = 160 at most); the log says how long each one holds, and the trials come so."""
+    caplog.set_level("INFO", logger="coordinator.prefetch_trial")
+    trial = small()
+    starts = _trial_starts(trial, 900, with_ms=10, without_ms=20)
+    held = [int(line.rsplit("after ", 1)[1].split()[0]) for line in caplog.messages if "tried again after" in line]
+    assert held[:6] == [20, 40, 80, 160, 160, 160]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]  # a trial's own steps plus the hold before the next
+    assert [gap - gaps[0] for gap in gaps[:5]] == [0, 40, 120, 120, 120]
+
+
+def test_a_changed_verdict_brings_the_hold_back_to_recheck_steps(caplog):
+    """Prefetch wins twice (holds 20, then 40), then loses: that verdict holds 20 steps again."""
+    caplog.set_level("INFO", logger="coordinator.prefetch_trial")
+    trial = small()
+    # Steps with prefetch are fast for the first 100 steps, slow after.
+    starts = _trial_starts(trial, 200, with_ms=lambda step: 10 if step < 100 else 40, without_ms=20)
+    held = [int(line.rsplit("after ", 1)[1].split()[0]) for line in caplog.messages if "tried again after" in line]
+    assert held[:3] == [20, 40, 20]
+    assert "paused, decode is faster without it" in caplog.messages[2]
+    assert starts  # the trials did run
