@@ -1,4 +1,4 @@
-"""How the residency core waits for its backend's loads: sent at once, timed, or drained after a cancel."""
+"""How the residency core waits for its backend's loads: timed, or drained after a cancel."""
 
 from __future__ import annotations
 
@@ -8,14 +8,6 @@ import time
 from coordinator.residency_backend import ExpertResidencyBackend
 from coordinator.residency_types import IOCounters
 from coordinator.slot_table import SlotRecord
-
-
-def send_submitted(backend: ExpertResidencyBackend) -> None:
-    """Let the loads submitted so far leave now, where the backend batches a turn's (the optional
-    `send_submitted`): a demand wave is about to wait for them."""
-    send = getattr(backend, "send_submitted", None)
-    if send is not None:
-        send()
 
 
 async def timed_wait(
@@ -50,4 +42,4 @@ async def drain_load(backend: ExpertResidencyBackend, record: SlotRecord) -> asy
     return cancelled
 
 
-__all__ = ["drain_load", "send_submitted", "timed_wait"]
+__all__ = ["drain_load", "timed_wait"]

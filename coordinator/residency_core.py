@@ -22,7 +22,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from coordinator.load_waits import drain_load, send_submitted, timed_wait
+from coordinator.load_waits import drain_load, timed_wait
 from coordinator.replacement import ReplacementPolicy, choose_victim, replacement_policy
 from coordinator.residency_backend import ExpertResidencyBackend
 from coordinator.residency_types import (
@@ -87,6 +87,10 @@ class ResidencyCore:
         self._pinned = pins
         self._pinned_keys = set(pins)
         self._replacement = replacement_policy(replacement)
+        # Optional hooks, looked up once: a backend that batches a turn's loads sends them now
+        # (`send_submitted`); a policy that folds visits in later does it when the loop is idle (`settle`).
+        self._send_submitted: Callable[[], None] | None = getattr(backend, "send_submitted", None)
+        self._settle: Callable[[], None] | None = getattr(self._replacement, "settle", None)
         self._active = False
         self._active_layer: int | None = None  # the layer of the active wave
         self._clock = 0
@@ -161,8 +165,8 @@ class ResidencyCore:
                     await outcome
             submitted_at: dict[int, float] = {}
             self._submit_misses(layer, misses, loaded, submitted_at, counters)
-            if loaded:
-                send_submitted(self._backend)
+            if loaded and self._send_submitted is not None:  # the wave's reads leave before it waits
+                self._send_submitted()
             if in_flight:  # the misses read while the prefetches in flight land: neither waits for the other
                 refetch, failure = await asyncio.gather(
                     self._await_in_flight(in_flight, entries),
@@ -190,9 +194,8 @@ class ResidencyCore:
             self._hits += hits
             self._misses += len(entries) - hits
             self._replacement.touch(layer, unique)
-            settle = getattr(self._replacement, "settle", None)  # a policy that folds visits in later
-            if settle is not None:  # when the loop is idle: after the lease this returns has been sent
-                asyncio.get_running_loop().call_soon(settle)
+            if self._settle is not None:  # when the loop is idle: after the lease this returns has been sent
+                asyncio.get_running_loop().call_soon(self._settle)
         order = {expert: index for index, expert in enumerate(unique)}
         entries.sort(key=lambda entry: order[entry.expert_id])
         return ExpertBatchLease(self, entries)

@@ -79,13 +79,11 @@ class PidWatch:
         """SIGKILL the process (never another that reused its pid); False if it had already exited."""
         if self._gone:
             return False
-        try:
+        try:  # not gone: a pidfd, or else a psutil handle
             if self._fd is not None:
                 signal.pidfd_send_signal(self._fd, signal.SIGKILL)
-            elif self._process is not None:
-                self._process.kill()
             else:
-                return False
+                self._process.kill()  # type: ignore[union-attr]
         except (ProcessLookupError, psutil.NoSuchProcess):
             return False
         return True
