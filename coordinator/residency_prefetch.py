@@ -5,7 +5,7 @@
 - `prefetch(layer, experts)`: each predicted expert that is neither resident
   nor already being read goes into the layer's victim slot (the same choice a
   promoted miss makes: idle first, then the replacement policy's victim,
-  `coordinator.replacement.choose_victim`),
+  `coordinator.replacement.victims_in_order`: the layer ranked once per prediction),
   read as its own classification (`prefetch`), and is in the lookup at once:
   a demand lease that finds it still reading waits for that read instead of
   issuing a second one (`ResidencyCore._await_in_flight`). It never touches a
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from coordinator.prefetch import PrefetchBook
-from coordinator.replacement import choose_victim
+from coordinator.replacement import victims_in_order
 from coordinator.residency_core import ResidencyCore
 from coordinator.residency_types import ExpertResidencyLeaseEntry, IOCounters, ResidencyError
 from coordinator.slot_table import SlotRecord
@@ -66,17 +66,16 @@ class PrefetchingCore(ResidencyCore):
         # Resident predictions stay: none of this prediction evicts another of it.
         protected = {self._lookup[(layer, expert)] for expert in ids if (layer, expert) in self._lookup}
         issued = 0
+        victims = victims_in_order(
+            self._replacement, self._table, layer, protected, pinned=(self._pinned, self._pinned_keys)
+        )
         for expert in ids:
             if (layer, expert) in self._lookup or (layer, expert) in self._pinned_keys:
                 continue  # resident or reading already; a pin belongs in a pinned slot, not a layer's
-            victim = choose_victim(
-                self._replacement, self._table, layer, protected, pinned=(self._pinned, self._pinned_keys)
-            )
-            if victim is None:
+            victim = next(victims, None)
+            if victim is None or not self._read_into(victim, layer, expert):
                 break
-            if not self._read_into(victim, layer, expert):
-                break
-            protected.add(victim.id)
+            protected.add(victim.id)  # the order holds while each slot taken is protected
             issued += 1
         return issued
 

@@ -8,7 +8,7 @@ a layer's slot set and the working bank partition the live slots).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
@@ -148,18 +148,36 @@ class SlotTable:
 
         An idle slot is chosen without asking `key` (the least recent of them): an empty slot has
         no rank, and a policy that is never asked need not rank the layer at all (`nextuse`)."""
+        return next(self.layer_victims(layer, protected, key=key, pins=pins), None)
+
+    def layer_victims(
+        self,
+        layer: int,
+        protected: set[int],
+        *,
+        key: Callable[[SlotRecord], tuple] = least_recent,
+        pins: Sequence[SlotRecord] = (),
+    ) -> Iterator[SlotRecord]:
+        """`layer_victim`'s choices one after another, each ranked once: the idle slots (least
+        recent first), then the ready ones by `key`, skipping any the caller has since protected.
+
+        The order is the one repeated `layer_victim` calls give when the caller protects (or
+        makes loading) each slot it takes and changes no other slot's key meanwhile (a prefetch
+        of several experts): one ranking of the layer instead of one per taken slot."""
+        slots = self.slots
         candidates = [
-            self.slots[i]
-            for i in self.layer_slots[layer]
-            if i not in protected and self.slots[i].phase in ("idle", "ready")
+            slots[i] for i in self.layer_slots[layer] if i not in protected and slots[i].phase in ("idle", "ready")
         ]
-        idle = [record for record in candidates if record.phase == "idle"]
-        if idle:
-            return min(idle, key=least_recent)
-        candidates += [record for record in pins if record.id not in protected and record.phase == "ready"]
-        if not candidates:
-            return None
-        return min(candidates, key=key)
+        idle = sorted((record for record in candidates if record.phase == "idle"), key=least_recent)
+        for record in idle:
+            if record.id not in protected and record.phase == "idle":
+                yield record
+        # Ranked only once the idle ones are taken (see `layer_victim`): a dormant layer stays unranked.
+        ready = [record for record in candidates if record.phase == "ready"]
+        ready += [record for record in pins if record.id not in protected and record.phase == "ready"]
+        for record in sorted(ready, key=key):
+            if record.id not in protected and record.phase == "ready":
+                yield record
 
     def idle_layer_slots(self, layer: int) -> int:
         """How many of `layer`'s slots are idle (a wave's misses up to this many need no victim)."""

@@ -4,7 +4,8 @@ Each policy's choices by hand (LRU's recency, LRFU's decayed counts and their ha
 registry and the spec grammar shared with the launcher and the replay tool, and small manager
 scenarios where the policies part ways: which resident a miss replaces, a pin passing to a
 hotter expert of its layer (the pinned tier's size and the layer's capacity unchanged), the LFRU
-live repin standing aside for adaptive pins, and a policy that declines to admit a miss.
+live repin standing aside for adaptive pins, a policy that declines to admit a miss, and a
+prediction's victims ranked once giving the choices `choose_victim` gives one by one.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.memory_backend import InMemoryBackend
-from coordinator.replacement import DEFAULT_HALF_LIFE, LRFU, LRU, replacement_policy
+from coordinator.replacement import DEFAULT_HALF_LIFE, LRFU, LRU, choose_victim, replacement_policy, victims_in_order
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import StaleLeaseError
+from coordinator.slot_table import SlotTable
 from coordinator.usage import ExpertUsageLedger
 from shared.config import DEFAULT_REPLACEMENT, REPLACEMENT_POLICIES, parse_replacement
 from shared.plan import plan_expert_residency
@@ -196,3 +200,85 @@ def test_a_declined_miss_is_served_and_dropped():
     assert resident(manager) == {} and visit(manager, 0, [1]) == [False]
     snapshot = manager.snapshot()
     assert (snapshot.hits, snapshot.misses, snapshot.evictions, snapshot.working) == (0, 2, 0, 2)
+
+
+# -- a prediction's victims, ranked once ---------------------------------------------------
+
+_PHASES = ("idle", "ready", "loading", "leased")
+
+
+def _table(slots, pins=()):
+    """One layer (0) of `slots` (phase, expert, last use) plus pinned slots holding `pins`."""
+    table = SlotTable(InMemoryBackend(len(slots) + len(pins)))
+    table.layer_slots[0] = set()
+    for phase, expert, last_use in slots:
+        record = table.new_slot("layer", 0)
+        table.layer_slots[0].add(record.id)
+        record.phase, record.last_use = phase, last_use
+        if phase != "idle":
+            record.expert_id = expert
+            table.lookup[(0, expert)] = record.id
+    for expert in pins:
+        record = table.new_slot("pinned", 0)
+        record.phase, record.expert_id = "ready", expert
+        table.lookup[(0, expert)] = record.id
+    return table
+
+
+def _taken_one_by_one(policy, table, protected, pinned, want):
+    taken = []
+    while len(taken) < want and (victim := choose_victim(policy, table, 0, protected, pinned=pinned)) is not None:
+        victim.phase = "loading"  # what a prefetch's read makes of it
+        protected.add(victim.id)
+        taken.append(victim.id)
+    return taken
+
+
+def _taken_in_order(policy, table, protected, pinned, want):
+    taken, victims = [], victims_in_order(policy, table, 0, protected, pinned=pinned)
+    while len(taken) < want and (victim := next(victims, None)) is not None:
+        victim.phase = "loading"
+        protected.add(victim.id)
+        taken.append(victim.id)
+    return taken
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    spec=st.sampled_from(["lru", "lrfu", "nextuse"]),
+    slots=st.lists(
+        st.tuples(st.sampled_from(_PHASES), st.integers(0, 63), st.integers(0, 40)),
+        min_size=1,
+        max_size=24,
+        unique_by=lambda slot: slot[1],
+    ),
+    visits=st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=8, unique=True), max_size=6),
+    protect=st.sets(st.integers(0, 23), max_size=6),
+    want=st.integers(1, 30),
+)
+def test_a_prediction_takes_the_victims_choose_victim_gives_one_by_one(spec, slots, visits, protect, want):
+    taken = []
+    for take in (_taken_one_by_one, _taken_in_order):
+        policy = replacement_policy(spec)
+        for used in visits:  # the ranks of the layer (the same for both)
+            policy.touch(0, used)
+        table = _table(slots)
+        taken.append(take(policy, table, set(protect), ([], set()), want))
+    assert taken[0] == taken[1]
+    assert len(set(taken[0])) == len(taken[0])
+
+
+def test_a_prediction_whose_layer_holds_a_pin_passes_it_as_choose_victim_does():
+    # LRFU ranks the pinned 9 (never used) lowest; its pin passes to the layer's best resident.
+    results = []
+    for take in (_taken_one_by_one, _taken_in_order):
+        policy = LRFU()
+        policy.touch(0, [1, 2])
+        policy.touch(0, [1])
+        table = _table([("ready", 1, 5), ("ready", 2, 6)], pins=[9])
+        pin_list = [(0, 9)]
+        pinned = (pin_list, set(pin_list))
+        taken = take(policy, table, set(), pinned, 2)
+        results.append((taken, list(pin_list), sorted(pinned[1])))
+    assert results[0] == results[1]
+    assert results[0][0][0] == 2 and results[0][1] == [(0, 1)]  # the pin's slot went first; 1 holds the pin
