@@ -1,0 +1,103 @@
+"""scripts/bench_ab.py at tiny sizes: two sides run side by side with alternating jobs, each with
+its own options (and code root), and the report says what ran; a side that cannot start, and
+SIGTERM, stop everything started (conftest's no_leaks checks processes and slabs). Speed is
+the script's business, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.bench_ab import parse_side
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("ab-cache")
+
+
+def _command(cache, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_ab.py"),
+        *TINY,
+        "--tokens",
+        "6",
+        "--prompt-tokens",
+        "6",
+        "--cache-dir",
+        str(cache),
+        *extra,
+    ]
+
+
+def test_two_sides_alternate_and_report_what_ran(cache):
+    command = _command(
+        cache, "--rounds", "2", "--a", "prefetch=off", "--b", f"root={ROOT} prefetch=on prefetch_margin=1"
+    )
+    result = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["tokens_match"] is True and report["rounds"] == 2
+    a, b = report["A"], report["B"]
+    assert a["options"]["prefetch"] == "off" and b["options"]["prefetch"] == "on"
+    assert b["options"]["prefetch_margin"] == 1 and a["root"] == b["root"] == str(ROOT)
+    for side in (a, b):
+        assert len(side["decode_tok_s_rounds"]) == 2 and all(tok_s > 0 for tok_s in side["decode_tok_s_rounds"])
+        assert side["warmup_jobs"] >= 1 and set(side["decode_cpu_ms_per_token"]) == {
+            "gpu_worker",
+            "coordinator",
+            "io_workers",
+        }
+    ratios = [rb / ra for ra, rb in zip(a["decode_tok_s_rounds"], b["decode_tok_s_rounds"])]
+    assert report["b_over_a_rounds"] == pytest.approx(ratios)
+    assert report["b_faster_rounds"] == sum(ratio > 1 for ratio in ratios)
+    # Round 1 ran A first, round 2 B first (the progress lines say so).
+    assert "round 1 (A,B)" in result.stderr and "round 2 (B,A)" in result.stderr
+
+
+def test_a_side_that_cannot_start_is_named_and_the_other_is_stopped(cache):
+    result = subprocess.run(
+        _command(cache, "--rounds", "1", "--b", "no_such_option=3"), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2
+    assert "side B could not start" in result.stderr and "no_such_option" in result.stderr
+
+
+def test_side_options_parse_as_json_or_text_and_a_root_must_be_a_checkout(tmp_path):
+    root, options = parse_side("prefetch=on prefetch_margin=4 helper_scheduling=batch compute_lanes=null")
+    assert root == ROOT
+    assert options == {"prefetch": "on", "prefetch_margin": 4, "helper_scheduling": "batch", "compute_lanes": None}
+    assert parse_side(f"root={ROOT}")[0] == ROOT
+    with pytest.raises(ValueError, match="no moeslab checkout there"):
+        parse_side(f"root={tmp_path}")
+    with pytest.raises(ValueError, match="expected key=value, got 'prefetch'"):
+        parse_side("prefetch")
+
+
+def test_sigterm_stops_both_sides(cache):
+    bench = subprocess.Popen(
+        _command(cache, "--rounds", "200"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = bench.stdout.readline()
+            if not line or line.startswith("round 1 "):
+                break
+        assert line.startswith("round 1 "), bench.stderr.read()[-4000:] if bench.poll() is not None else line
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
