@@ -2,7 +2,7 @@
 
     python scripts/bench_ab.py [benchmark model flags, as bench_generate.py]
                                [--a "prefetch=auto"] [--b "prefetch=on prefetch_distance=2"]
-                               [--rounds 8 --tokens 32 --prompt-tokens 16 --resident-fraction 0.25]
+                               [--rounds 8 --passes 2 --tokens 32 --prompt-tokens 16 --resident-fraction 0.25]
                                [--json]
 
 Each side is a started system (both at once, same model, same resident fraction)
@@ -20,7 +20,11 @@ drift. Here both systems live through the same drift: after warm-up jobs
 (until auto prefetch's first trial has a verdict), each round runs one job on
 each side, in the order A,B then B,A, and the figure is the median over rounds
 of B's tok/s over A's in the same round (with how many rounds B was faster).
-The idle side sleeps meanwhile. Both sides decode greedily from the same
+The idle side sleeps meanwhile. A started system can also run a few percent
+faster than another of the same code for its whole life (same-code runs here,
+deep shape, 8 rounds: medians 1.011 and 1.018, single rounds 0.92-1.08), so
+`--passes` starts both sides afresh that many times, the other side first
+each time, and reports each pass's median besides the median of all rounds. Both sides decode greedily from the same
 prompt: their tokens must be equal (`tokens_match`, exit 1 otherwise).
 `--json`: the last line is one JSON object.
 """
@@ -78,14 +82,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run = parser.add_argument_group("the run")
     run.add_argument("--a", default="", help="side A's options (key=value words; root=PATH for other code)")
     run.add_argument("--b", default="", help="side B's options")
-    run.add_argument("--rounds", type=int, default=8, help="measured rounds (one job a side each)")
+    run.add_argument("--rounds", type=int, default=8, help="measured rounds a pass (one job a side each)")
+    run.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        help="times both sides are started afresh (the first side started alternates): one started system "
+        "can run a few percent faster than another of the same code for its whole life",
+    )
     run.add_argument("--tokens", type=int, default=32)
     run.add_argument("--prompt-tokens", type=int, default=16)
     run.add_argument("--resident-fraction", type=float, default=0.25)
     run.add_argument("--io-mode", choices=("auto", "direct", "buffered"), default="auto")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
-    for name in ("rounds", "tokens", "prompt_tokens"):
+    for name in ("rounds", "passes", "tokens", "prompt_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.resident_fraction <= 1:
@@ -101,7 +112,7 @@ class Side:
     """One side's process (instruments/ab_side.py): a job per `run`."""
 
     def __init__(self, name: str, root: Path, model_dir: Path, spec: dict[str, Any]) -> None:
-        self.name, self.root, self.options = name, root, spec["options"]
+        self.name = name
         self.process = subprocess.Popen(
             [sys.executable, str(SIDE), str(root), str(model_dir), json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -141,17 +152,26 @@ class Side:
                 self.process.wait()
 
 
-def summarize(sides: dict[str, Side], rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    ratios = [r["B"]["decode_tok_s"] / r["A"]["decode_tok_s"] for r in rounds if r["A"]["decode_tok_s"] > 0]
-    report: dict[str, Any] = {"rounds": len(rounds), "b_over_a_rounds": ratios}
-    report["b_over_a_round_median"] = median(ratios) if ratios else 0.0
-    report["b_faster_rounds"] = sum(ratio > 1 for ratio in ratios)
-    report["tokens_match"] = len({tuple(job["tokens"]) for side in sides.values() for job in side.jobs}) == 1
-    for name, side in sides.items():
+def summarize(
+    specs: dict[str, tuple[Path, dict[str, Any]]], passes: list[list[dict[str, dict[str, Any]]]], jobs: dict[str, list]
+) -> dict[str, Any]:
+    """The report of every pass's rounds (`jobs`: each side's jobs, warm-ups included)."""
+    rounds = [measured for rounds in passes for measured in rounds]
+
+    def ratios(of: list[dict[str, dict[str, Any]]]) -> list[float]:
+        return [r["B"]["decode_tok_s"] / r["A"]["decode_tok_s"] for r in of if r["A"]["decode_tok_s"] > 0]
+
+    every = ratios(rounds)
+    report: dict[str, Any] = {"passes": len(passes), "rounds": len(rounds), "b_over_a_rounds": every}
+    report["b_over_a_round_median"] = median(every) if every else 0.0
+    report["b_over_a_pass_medians"] = [median(ratios(rounds)) if ratios(rounds) else 0.0 for rounds in passes]
+    report["b_faster_rounds"] = sum(ratio > 1 for ratio in every)
+    report["tokens_match"] = len({tuple(job["tokens"]) for side in jobs.values() for job in side}) == 1
+    for name, (root, options) in specs.items():
         measured = [r[name] for r in rounds]
         report[name] = {
-            "root": str(side.root),
-            "options": side.options,
+            "root": str(root),
+            "options": options,
             "decode_tok_s": median([job["decode_tok_s"] for job in measured]),
             "decode_tok_s_rounds": [job["decode_tok_s"] for job in measured],
             "ipc_wait_ms_per_token": median([job["ipc_wait_ms_per_token"] for job in measured]),
@@ -159,14 +179,50 @@ def summarize(sides: dict[str, Side], rounds: list[dict[str, dict[str, Any]]]) -
                 part: median([job["decode_cpu_ms_per_token"][part] for job in measured])
                 for part in measured[0]["decode_cpu_ms_per_token"]
             },
-            "warmup_jobs": len(side.jobs) - len(rounds),
+            "warmup_jobs": len(jobs[name]) - len(rounds),
             "prefetch_paused_rounds": sum(bool(job["prefetch"]["paused"]) for job in measured),
         }
     return report
 
 
+def run_pass(
+    index: int, specs: dict[str, tuple[Path, dict[str, Any]]], model_dir: Path, rounds: int, jobs: dict[str, list], say
+) -> list[dict[str, dict[str, Any]]]:
+    """Start both sides (A first in even passes, B first in odd ones), warm them up, run `rounds`
+    rounds; every job joins `jobs`. Both sides are stopped on the way out, whatever happens."""
+    names = ("A", "B") if index % 2 == 0 else ("B", "A")
+    sides: dict[str, Side] = {}
+    try:
+        for name in names:
+            root, spec = specs[name]
+            sides[name] = Side(name, root, model_dir, spec)
+        for name in names:
+            sides[name].ready()
+        for name in names:  # warm-up: the steady state, auto prefetch's first verdict included
+            for _ in range(MAX_WARMUP_JOBS):
+                job = sides[name].run()
+                say(f"pass {index + 1}, {name}: warm-up job {job['decode_tok_s']:.3f} tok/s")
+                if not job["prefetch"]["trialling"]:
+                    break
+        measured_rounds = []
+        for round_index in range(rounds):
+            order = names if round_index % 2 == 0 else names[::-1]
+            measured = {name: sides[name].run() for name in order}
+            measured_rounds.append(measured)
+            a, b = measured["A"]["decode_tok_s"], measured["B"]["decode_tok_s"]
+            say(
+                f"pass {index + 1}, round {round_index + 1} ({','.join(order)}): A {a:.3f}, B {b:.3f} tok/s, "
+                f"B/A {b / a if a else 0:.3f}"
+            )
+        return measured_rounds
+    finally:
+        for name, side in sides.items():
+            jobs[name].extend(side.jobs)
+            side.stop()
+
+
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through main's finally: both sides are stopped
+    raise SystemExit(128 + signum)  # unwinds through run_pass's finally: both sides are stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,41 +237,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = ExpertStore.open(model_dir)
     slots = max(1, round(store.experts_per_layer * args.resident_fraction))
     io_mode = resolve_io_mode(args.io_mode, model_dir)
-    sides: dict[str, Side] = {}
-    try:
-        for name, (root, options) in args.sides.items():
-            spec = {
+    specs = {
+        name: (
+            root,
+            {
                 "slots_per_layer": slots,
                 "tokens": args.tokens,
                 "prompt_tokens": args.prompt_tokens,
                 "options": {"io_workers": 2, "io_mode": io_mode, "working_slots": None, **options},
-            }
-            sides[name] = Side(name, root, model_dir, spec)
-        for side in sides.values():
-            side.ready()
-        for side in sides.values():  # warm-up: the steady state, auto prefetch's first verdict included
-            for _ in range(MAX_WARMUP_JOBS):
-                job = side.run()
-                say(f"{side.name}: warm-up job {job['decode_tok_s']:.3f} tok/s")
-                if not job["prefetch"]["trialling"]:
-                    break
-        rounds: list[dict[str, dict[str, Any]]] = []
-        for index in range(args.rounds):
-            order = ("A", "B") if index % 2 == 0 else ("B", "A")
-            measured = {name: sides[name].run() for name in order}
-            rounds.append(measured)
-            a, b = measured["A"]["decode_tok_s"], measured["B"]["decode_tok_s"]
-            say(f"round {index + 1} ({','.join(order)}): A {a:.3f}, B {b:.3f} tok/s, B/A {b / a if a else 0:.3f}")
-        report = summarize(sides, rounds)
+            },
+        )
+        for name, (root, options) in args.sides.items()
+    }
+    jobs: dict[str, list] = {"A": [], "B": []}
+    try:
+        passes = [run_pass(index, specs, model_dir, args.rounds, jobs, say) for index in range(args.passes)]
     except RuntimeError as error:  # a side that could not start, or died: nothing to compare
         print(f"bench_ab: {error}", file=sys.stderr, flush=True)
         return 2
-    finally:
-        for side in sides.values():
-            side.stop()
+    report = summarize({name: (root, spec["options"]) for name, (root, spec) in specs.items()}, passes, jobs)
     say(
-        f"B/A decode tok/s: median {report['b_over_a_round_median']:.3f} over {report['rounds']} rounds "
-        f"(B faster in {report['b_faster_rounds']}); A {report['A']['decode_tok_s']:.3f}, "
+        f"B/A decode tok/s: median {report['b_over_a_round_median']:.3f} over {report['rounds']} rounds of "
+        f"{report['passes']} pass(es) (pass medians {', '.join(f'{m:.3f}' for m in report['b_over_a_pass_medians'])}; "
+        f"B faster in {report['b_faster_rounds']}); A {report['A']['decode_tok_s']:.3f}, "
         f"B {report['B']['decode_tok_s']:.3f} tok/s; tokens match: {report['tokens_match']}"
     )
     if args.json:

@@ -41,33 +41,38 @@ def _command(cache, *extra: str) -> list[str]:
 
 
 def test_two_sides_alternate_and_report_what_ran(cache):
-    command = _command(
-        cache, "--rounds", "2", "--a", "prefetch=off", "--b", f"root={ROOT} prefetch=on prefetch_margin=1"
-    )
+    sides = ["--a", "prefetch=off", "--b", f"root={ROOT} prefetch=on prefetch_margin=1"]
+    command = _command(cache, "--rounds", "2", "--passes", "2", *sides)
     result = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["tokens_match"] is True and report["rounds"] == 2
+    assert report["tokens_match"] is True and report["passes"] == 2 and report["rounds"] == 4
     a, b = report["A"], report["B"]
     assert a["options"]["prefetch"] == "off" and b["options"]["prefetch"] == "on"
     assert b["options"]["prefetch_margin"] == 1 and a["root"] == b["root"] == str(ROOT)
     for side in (a, b):
-        assert len(side["decode_tok_s_rounds"]) == 2 and all(tok_s > 0 for tok_s in side["decode_tok_s_rounds"])
-        assert side["warmup_jobs"] >= 1 and set(side["decode_cpu_ms_per_token"]) == {
-            "gpu_worker",
-            "coordinator",
-            "io_workers",
-        }
+        assert len(side["decode_tok_s_rounds"]) == 4 and all(tok_s > 0 for tok_s in side["decode_tok_s_rounds"])
+        assert side["warmup_jobs"] >= 2  # at least one a pass
+        assert set(side["decode_cpu_ms_per_token"]) == {"gpu_worker", "coordinator", "io_workers"}
     ratios = [rb / ra for ra, rb in zip(a["decode_tok_s_rounds"], b["decode_tok_s_rounds"])]
     assert report["b_over_a_rounds"] == pytest.approx(ratios)
     assert report["b_faster_rounds"] == sum(ratio > 1 for ratio in ratios)
-    # Round 1 ran A first, round 2 B first (the progress lines say so).
-    assert "round 1 (A,B)" in result.stderr and "round 2 (B,A)" in result.stderr
+    assert report["b_over_a_pass_medians"] == [
+        pytest.approx((ratios[0] + ratios[1]) / 2),
+        pytest.approx((ratios[2] + ratios[3]) / 2),
+    ]
+    # Pass 1 started A first and its rounds ran A,B then B,A; pass 2 starts B first (the progress
+    # lines say so).
+    for line in ("pass 1, round 1 (A,B)", "pass 1, round 2 (B,A)", "pass 2, round 1 (B,A)", "pass 2, round 2 (A,B)"):
+        assert line in result.stderr
 
 
 def test_a_side_that_cannot_start_is_named_and_the_other_is_stopped(cache):
     result = subprocess.run(
-        _command(cache, "--rounds", "1", "--b", "no_such_option=3"), capture_output=True, text=True, timeout=300
+        _command(cache, "--rounds", "1", "--passes", "1", "--b", "no_such_option=3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2
     assert "side B could not start" in result.stderr and "no_such_option" in result.stderr
@@ -92,9 +97,9 @@ def test_sigterm_stops_both_sides(cache):
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = bench.stdout.readline()
-            if not line or line.startswith("round 1 "):
+            if not line or line.startswith("pass 1, round 1 "):
                 break
-        assert line.startswith("round 1 "), bench.stderr.read()[-4000:] if bench.poll() is not None else line
+        assert line.startswith("pass 1, round 1 "), bench.stderr.read()[-4000:] if bench.poll() is not None else line
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=120) == 128 + signal.SIGTERM
     finally:
