@@ -24,8 +24,9 @@ The idle side sleeps meanwhile. A started system can also run a few percent
 faster than another of the same code for its whole life (same-code runs here,
 deep shape, 8 rounds: medians 1.011 and 1.018, single rounds 0.92-1.08), so
 `--passes` starts both sides afresh that many times, the other side first
-each time, and reports each pass's median besides the median of all rounds. Both sides decode greedily from the same
-prompt: their tokens must be equal (`tokens_match`, exit 1 otherwise).
+each time, and reports each pass's median besides the median of all rounds.
+Both sides decode greedily from the same prompt: their tokens must be equal
+(`tokens_match`, exit 1 otherwise).
 `--json`: the last line is one JSON object.
 """
 
@@ -54,7 +55,6 @@ from shared.store import ExpertStore
 ROOT = Path(__file__).resolve().parents[1]
 SIDE = ROOT / "instruments" / "ab_side.py"
 MAX_WARMUP_JOBS = 4  # as bench_generate: auto prefetch's first trial takes 40-72 decode steps
-START_TIMEOUT_S = 300
 
 
 def parse_side(text: str) -> tuple[Path, dict[str, Any]]:
@@ -122,10 +122,15 @@ class Side:
         self.jobs: list[dict[str, Any]] = []
 
     def _line(self) -> dict[str, Any]:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"side {self.name} exited (code {self.process.wait()})")
-        return json.loads(line)
+        """The side's next JSON object (anything else a library printed on its stdout is skipped)."""
+        while line := self.process.stdout.readline():
+            try:
+                reply = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(reply, dict):
+                return reply
+        raise RuntimeError(f"side {self.name} exited (code {self.process.wait()})")
 
     def ready(self) -> None:
         first = self._line()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_ab import parse_side
+from scripts.bench_ab import Side, parse_side
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"]
@@ -106,3 +106,13 @@ def test_sigterm_stops_both_sides(cache):
         if bench.poll() is None:
             bench.kill()
             bench.wait()
+
+
+def test_a_sides_stray_output_is_skipped_and_its_exit_is_an_error():
+    side = Side.__new__(Side)  # the reading alone, over a process that prints noise around its line
+    side.name = "A"
+    script = "print('a library warning'); print('[1, 2]'); print('{\"ready\": true}')"
+    side.process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert side._line() == {"ready": True}
+    with pytest.raises(RuntimeError, match=r"side A exited \(code 0\)"):
+        side._line()
