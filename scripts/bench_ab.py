@@ -227,6 +227,7 @@ def run_pass(
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the sides' stop short
     raise SystemExit(128 + signum)  # unwinds through run_pass's finally: both sides are stopped
 
 
