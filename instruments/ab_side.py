@@ -4,6 +4,7 @@
 
 Run by path, not as a module: it imports the system from ROOT (this checkout or another,
 e.g. a worktree of an older commit), so that two sides may run two versions of the code.
+`Side` is the driver's handle on such a process (scripts/bench_ab.py, scripts/bench_floor.py).
 SPEC_JSON holds `slots_per_layer`, `tokens`, `prompt_tokens` and `options` (keyword
 arguments of `instruments.system_jobs.System`). The first stdout line is `{"ready": ...}`
 (or `{"error": ...}`, exit 2); each `go` prints one JSON line (the job's figures); end of
@@ -15,8 +16,61 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+SIDE = Path(__file__).resolve()
+
+
+class Side:
+    """The driver's handle on one side's process (this file, run by path): a job per `run`."""
+
+    def __init__(self, name: str, root: Path, model_dir: Path, spec: dict[str, Any]) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, str(SIDE), str(root), str(model_dir), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.jobs: list[dict[str, Any]] = []
+
+    def _line(self) -> dict[str, Any]:
+        """The side's next JSON object (anything else a library printed on its stdout is skipped)."""
+        while line := self.process.stdout.readline():
+            try:
+                reply = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(reply, dict):
+                return reply
+        raise RuntimeError(f"side {self.name} exited (code {self.process.wait()})")
+
+    def ready(self) -> None:
+        first = self._line()
+        if "error" in first:
+            raise RuntimeError(f"side {self.name} could not start: {first['error']}")
+
+    def run(self) -> dict[str, Any]:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        job = self._line()
+        self.jobs.append(job)
+        return job
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()  # the side stops its system at end of input
+            except OSError:
+                pass
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def _job_line(job: dict) -> dict:

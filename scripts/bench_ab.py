@@ -36,7 +36,6 @@ import argparse
 import json
 import shlex
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,12 +47,12 @@ except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from instruments.bench_model import add_model_arguments, model_from_arguments
 
+from instruments.ab_side import Side
 from instruments.disk import resolve_io_mode
 from instruments.figures import median
 from shared.store import ExpertStore
 
 ROOT = Path(__file__).resolve().parents[1]
-SIDE = ROOT / "instruments" / "ab_side.py"
 MAX_WARMUP_JOBS = 4  # as bench_generate: auto prefetch's first trial takes 40-72 decode steps
 
 
@@ -106,55 +105,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     return args
-
-
-class Side:
-    """One side's process (instruments/ab_side.py): a job per `run`."""
-
-    def __init__(self, name: str, root: Path, model_dir: Path, spec: dict[str, Any]) -> None:
-        self.name = name
-        self.process = subprocess.Popen(
-            [sys.executable, str(SIDE), str(root), str(model_dir), json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.jobs: list[dict[str, Any]] = []
-
-    def _line(self) -> dict[str, Any]:
-        """The side's next JSON object (anything else a library printed on its stdout is skipped)."""
-        while line := self.process.stdout.readline():
-            try:
-                reply = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(reply, dict):
-                return reply
-        raise RuntimeError(f"side {self.name} exited (code {self.process.wait()})")
-
-    def ready(self) -> None:
-        first = self._line()
-        if "error" in first:
-            raise RuntimeError(f"side {self.name} could not start: {first['error']}")
-
-    def run(self) -> dict[str, Any]:
-        self.process.stdin.write("go\n")
-        self.process.stdin.flush()
-        job = self._line()
-        self.jobs.append(job)
-        return job
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.close()  # the side stops its system at end of input
-            except OSError:
-                pass
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 def summarize(

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_ab import Side, parse_side
+from instruments.ab_side import Side
+from scripts.bench_ab import parse_side
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"]

@@ -1,0 +1,125 @@
+"""scripts/bench_floor.py and instruments/paced_reads.py at tiny sizes: the resident system's jobs
+alone and with paced reads, in alternating order, and the report says what ran; the reader keeps
+to its rate, stops on SIGTERM and when its parent is gone. Speed is the script's business, never
+asserted here (conftest's no_leaks checks processes and slabs after each test)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from instruments.figures import MB, median
+from scripts.bench_floor import PacedReads, modelled_rate_mbps
+from shared.store import ExpertStore
+
+ROOT = Path(__file__).resolve().parent.parent
+READER = ROOT / "instruments" / "paced_reads.py"
+TINY = ["--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("floor-cache")
+
+
+def _bench(cache, *extra: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "scripts" / "bench_floor.py"), *TINY, "--tokens", "6"]
+    command += ["--prompt-tokens", "6", "--cache-dir", str(cache), "--json", *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _model(cache) -> Path:
+    (model,) = [path for path in Path(cache).iterdir() if path.is_dir()]
+    return model
+
+
+def test_rounds_alternate_and_the_rate_is_the_modelled_one(cache):
+    result = _bench(cache, "--rounds", "2", "--resident-fraction", "0.5", "--target", "0.9")
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["rounds"] == 2 and len(report["floor_ratio_rounds"]) == 2
+    for line in ("round 1 (alone,with)", "round 2 (with,alone)"):
+        assert line in result.stderr
+    modelled = report["modelled"]
+    assert modelled["resident_fraction"] == 0.5 and modelled["target"] == 0.9
+    store = ExpertStore.open(_model(cache))
+    expected = modelled_rate_mbps(store, resident_tok_s=modelled["resident_tok_s"], fraction=0.5, target=0.9)
+    expert_bytes = sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
+    by_hand = 0.9 * modelled["resident_tok_s"] * 2 * 2 * 0.5 * expert_bytes / MB  # 2 layers, top-2, half missed
+    assert report["rate_mbps"] == pytest.approx(expected) == pytest.approx(by_hand)
+    assert report["reads_MBps"] > 0 and report["reads_cpu_ms_per_s"] > 0
+    assert report["floor_ratio"] == pytest.approx(median(report["floor_ratio_rounds"]))
+    assert set(report["decode_cpu_ms_per_token"]) == {"alone", "with"}
+
+
+def test_a_given_rate_is_read_and_bad_values_are_named(cache):
+    result = _bench(cache, "--rounds", "1", "--rate-mbps", "3")
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["rate_mbps"] == 3 and report["modelled"] is None
+    for flag, value, message in (
+        ("--rate-mbps", "0", "--rate-mbps must be > 0, got 0.0"),
+        ("--resident-fraction", "1", "--resident-fraction must be in (0, 1), got 1.0"),
+        ("--target", "1.5", "--target must be in (0, 1], got 1.5"),
+    ):
+        refused = _bench(cache, flag, value)
+        assert refused.returncode == 2 and message in refused.stderr
+
+
+def _reader(model: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, str(READER), str(model), *extra]
+    reader = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert json.loads(reader.stdout.readline())["reading"] is True
+    return reader
+
+
+def test_paced_reads_keep_to_their_rate_and_stop_on_sigterm(cache):
+    _bench(cache, "--rounds", "1", "--rate-mbps", "1")  # builds the tiny model if no test did
+    model = _model(cache)
+    store = ExpertStore.open(model)
+    expert_bytes = sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
+    rate_mbps = 20 * expert_bytes / MB  # 20 experts a second, 2 a read
+    reader = _reader(model, f"--rate-mbps={rate_mbps}", "--batch=2")
+    time.sleep(1.0)
+    reader.send_signal(signal.SIGTERM)
+    out, err = reader.communicate(timeout=30)
+    assert reader.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["loads"] % 2 == 0 and report["loads"] >= 2
+    assert report["bytes"] == report["loads"] * expert_bytes
+    # Paced: never ahead of the rate by more than the read that started on time.
+    assert report["bytes"] <= rate_mbps * MB * report["seconds"] + 2 * expert_bytes
+
+
+def test_paced_reads_stop_when_their_parent_is_gone(cache):
+    _bench(cache, "--rounds", "1", "--rate-mbps", "1")
+    parent = (
+        "import subprocess, sys, os\n"
+        f"p = subprocess.Popen([sys.executable, {str(READER)!r}, {str(_model(cache))!r}, '--rate-mbps=1'],"
+        " stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)\n"
+        "p.stdout.readline()\n"
+        "print(p.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60)
+    pid = int(done.stdout)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except AssertionError:
+        psutil.Process(pid).kill()  # not this test's child: no_leaks would not see it
+        raise
+
+
+def test_a_reader_that_cannot_start_is_an_error(tmp_path):
+    with pytest.raises(RuntimeError, match=r"paced reads did not start \(exit code 2\)"):
+        PacedReads(tmp_path, rate_mbps=1.0, batch=1, io_mode="direct", seed=0)
