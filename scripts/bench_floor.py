@@ -96,7 +96,12 @@ class PacedReads:
         """Stop it; its report (bytes, seconds, MB/s, CPU)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        out, _ = self.process.communicate(timeout=60)
+        try:
+            out, _ = self.process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            raise RuntimeError("paced reads did not stop within 60 s of SIGTERM (killed)") from None
         if self.process.returncode != 0:
             raise RuntimeError(f"paced reads failed (exit code {self.process.returncode})")
         return json.loads(out.strip().splitlines()[-1])

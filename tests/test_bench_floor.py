@@ -73,6 +73,37 @@ def test_a_given_rate_is_read_and_bad_values_are_named(cache):
         assert refused.returncode == 2 and message in refused.stderr
 
 
+def test_sigterm_stops_the_system_and_the_reader(cache):
+    command = [sys.executable, str(ROOT / "scripts" / "bench_floor.py"), *TINY, "--tokens", "6", "--prompt-tokens"]
+    command += ["6", "--cache-dir", str(cache), "--rounds", "200"]
+    bench = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = bench.stdout.readline()
+        while line and not line.startswith("round 1 "):
+            line = bench.stdout.readline()
+        assert line.startswith("round 1 "), bench.stderr.read()[-4000:]
+
+        def reading() -> bool:
+            for child in psutil.Process(bench.pid).children():
+                try:
+                    if "paced_reads.py" in " ".join(child.cmdline()):
+                        return True
+                except psutil.Error:  # gone (or a zombie) between the listing and the look
+                    continue
+            return False
+
+        deadline = time.monotonic() + 60
+        while not reading() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reading(), "no paced reader seen after round 1"
+        bench.send_signal(signal.SIGTERM)  # with a paced reader running
+        assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
 def _reader(model: Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, str(READER), str(model), *extra]
     reader = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
