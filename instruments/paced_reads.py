@@ -53,7 +53,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def read_paced(store: ExpertStore, *, rate_bps: float, batch: int, io_mode: str, seed: int, stop) -> dict:
     """Read random experts, `batch` at a time, at most `rate_bps` bytes a second, until `stop()`."""
     rng = random.Random(seed)
-    pairs = [(layer, expert) for layer in store.sparse_layers for expert in range(store.experts_per_layer)]
+    # Every expert's ranges looked up once: per read, only the ops are built (a small model's reads
+    # come hundreds a second, and this process's own CPU is part of what it measures).
+    ranges = [
+        [(seg.file, seg.offset, seg.length, seg.destination) for seg in store.locate(layer, expert).segments]
+        for layer in store.sparse_layers
+        for expert in range(store.experts_per_layer)
+    ]
     region = mmap.mmap(-1, batch * store.slot_bytes)
     files = [BypassFile.open(path, mode=io_mode, block_size=store.block_size) for path in store.manifest]
     loads = total = 0
@@ -67,11 +73,10 @@ def read_paced(store: ExpertStore, *, rate_bps: float, batch: int, io_mode: str,
                 if (wait := due - time.monotonic()) > 0:
                     time.sleep(min(wait, 0.05))  # a signal's stop is seen within 50 ms at any rate
                     continue
-                group = rng.sample(pairs, batch)
                 ops = [
-                    files[seg.file].op(seg.offset, seg.length, k * store.slot_bytes + seg.destination)
-                    for k, (layer, expert) in enumerate(group)
-                    for seg in store.locate(layer, expert).segments
+                    files[file].op(offset, length, k * store.slot_bytes + destination)
+                    for k, expert in enumerate(rng.sample(ranges, batch))
+                    for file, offset, length, destination in expert
                 ]
                 results = pool.read(region, ops, block_size=store.block_size)
                 bad = [r.describe() for r in results if not r.ok]

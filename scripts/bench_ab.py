@@ -35,22 +35,20 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 try:
-    from instruments.bench_model import add_model_arguments, model_from_arguments
+    from instruments.bench_model import add_model_arguments
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from instruments.bench_model import add_model_arguments, model_from_arguments
+    from instruments.bench_model import add_model_arguments
 
 from instruments.ab_side import Side
-from instruments.disk import resolve_io_mode
+from instruments.bench_cli import exit_on_sigterm, open_model
 from instruments.figures import median
-from shared.store import ExpertStore
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WARMUP_JOBS = 4  # as bench_generate: auto prefetch's first trial takes 40-72 decode steps
@@ -176,23 +174,15 @@ def run_pass(
             side.stop()
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the sides' stop short
-    raise SystemExit(128 + signum)  # unwinds through run_pass's finally: both sides are stopped
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
 
     def say(text: str) -> None:
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    model_dir, built, seconds = model_from_arguments(args)
-    say(f"model {model_dir}" + (f" (built in {seconds:.0f} s)" if built else ""))
-    store = ExpertStore.open(model_dir)
+    model_dir, store, io_mode = open_model(args, say)
     slots = max(1, round(store.experts_per_layer * args.resident_fraction))
-    io_mode = resolve_io_mode(args.io_mode, model_dir)
     specs = {
         name: (
             root,

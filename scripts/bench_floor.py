@@ -1,25 +1,31 @@
 """What the reads alone cost decode: the resident system with and without a streaming run's I/O beside it.
 
     python scripts/bench_floor.py [benchmark model flags, as bench_generate.py]
-                                  [--resident-fraction 0.25 --target 0.95 | --rate-mbps R]
-                                  [--rounds 6 --tokens 32 --prompt-tokens 16] [--json]
+                                  [--resident-fraction 0.25 --target 0.95 [--bytes-per-token B] | --rate-mbps R]
+                                  [--batch N] [--rounds 6 --tokens 32 --prompt-tokens 16] [--json]
 
-A streaming run at resident fraction f must read the experts it misses. With random weights
-(routing uniform) and perfect prediction that is at least `(1 - f) x top_k` experts a sparse
-layer a token, so decoding at `target` x the resident system's speed means reading at least
+A streaming run must read the experts it misses: B bytes a decode token. Decoding at `target` x
+the resident system's speed then means reading at
 
-    rate = target x resident tok/s x sparse layers x top_k x (1 - f) x expert bytes
+    rate = target x resident tok/s x B
 
-a second. This bench starts the resident system (every expert in the slab, no reads while it
-decodes), measures its tok/s in warm-up, and then runs rounds of two jobs: one alone, one with
-`instruments/paced_reads.py` reading random experts at that rate (one layer's misses at a time,
-O_DIRECT through the I/O workers' native reader, no Python between the reads but the pacing),
-in the order alone, with, then with, alone. The median over rounds of (with / alone) is the
-**floor ratio**: how close to the resident system a streaming run at fraction f can come on this
-machine when its prediction is perfect and everything it does besides the reads is free. Where
-it is below `target`, no streaming design that reads these bytes on this machine's CPUs reaches
-the target. `--rate-mbps` reads at a rate of your choice instead (e.g. what a streaming run
-actually read, `bench_generate.py`'s `prefetch.bytes_per_token` x its tok/s).
+a second. B is `--bytes-per-token`, or by default what a run at resident fraction f reads when
+routing is uniform and prediction perfect: `(1 - f) x top_k` experts a sparse layer, i.e.
+B = sparse layers x top_k x (1 - f) x expert bytes. That is the default benchmark model's case
+(its streaming run reads 1.14x that: prefetch's precision); a router that prefers some experts
+misses less (the deep bench shape's, 48 x 64: 31 misses a token at 25%, not 288), so give such
+a model the bytes a streaming run of it read (`bench_generate.py`: `streaming.miss_bytes_per_token`
+plus `streaming.prefetch.bytes_per_token`).
+
+This bench starts the resident system (every expert in the slab, no reads while it decodes),
+measures its tok/s in warm-up, and then runs rounds of two jobs: one alone, one with
+`instruments/paced_reads.py` reading random experts at that rate (a layer visit's misses, B over
+the sparse layers, or `--batch`, at a time; O_DIRECT through the I/O workers' native reader, no
+Python between the reads but the pacing), in the order alone, with, then with, alone. The median over rounds
+of (with / alone) is the **floor ratio**: how close to the resident system a streaming run can
+come on this machine when everything it does besides the reads is free. Where it is below
+`target`, no streaming design that reads these bytes on this machine's CPUs reaches the target.
+`--rate-mbps` reads at a fixed rate instead.
 
 Speeds vary with the host (this kind of VM drifts 10-15% over minutes); both jobs of a round run
 minutes within each other on the same started system. `--json`: the last line is one JSON object.
@@ -37,13 +43,13 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from instruments.bench_model import add_model_arguments, model_from_arguments
+    from instruments.bench_model import add_model_arguments
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from instruments.bench_model import add_model_arguments, model_from_arguments
+    from instruments.bench_model import add_model_arguments
 
 from instruments.ab_side import Side
-from instruments.disk import resolve_io_mode
+from instruments.bench_cli import exit_on_sigterm, open_model
 from instruments.figures import MB, median
 from shared.store import ExpertStore
 
@@ -59,9 +65,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run = parser.add_argument_group("the run")
     run.add_argument("--resident-fraction", type=float, default=0.25, help="the streaming run whose reads are modelled")
     run.add_argument(
+        "--bytes-per-token",
+        type=float,
+        default=None,
+        help="bytes a streaming decode token reads (default: uniform routing)",
+    )
+    run.add_argument(
         "--target", type=float, default=0.95, help="the streaming speed, as a share of resident, to read for"
     )
     run.add_argument("--rate-mbps", type=float, default=None, help="read at this rate (MB/s) instead")
+    run.add_argument(
+        "--batch", type=int, default=None, help="experts read together (default: a layer visit's share of the bytes)"
+    )
     run.add_argument("--rounds", type=int, default=6, help="rounds of two jobs (alone, with the reads)")
     run.add_argument("--tokens", type=int, default=32)
     run.add_argument("--prompt-tokens", type=int, default=16)
@@ -77,6 +92,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--target must be in (0, 1], got {args.target}")
     if args.rate_mbps is not None and not args.rate_mbps > 0:
         parser.error(f"--rate-mbps must be > 0, got {args.rate_mbps}")
+    if args.bytes_per_token is not None and not args.bytes_per_token > 0:
+        parser.error(f"--bytes-per-token must be > 0, got {args.bytes_per_token}")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    if args.bytes_per_token is not None and args.rate_mbps is not None:
+        parser.error("give --bytes-per-token or --rate-mbps, not both")
     return args
 
 
@@ -107,11 +128,13 @@ class PacedReads:
         return json.loads(out.strip().splitlines()[-1])
 
 
-def modelled_rate_mbps(store: ExpertStore, *, resident_tok_s: float, fraction: float, target: float) -> float:
-    """The least a streaming run at `fraction` reads a second at `target` x `resident_tok_s` (module docstring)."""
-    expert_bytes = sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
-    per_token = len(store.sparse_layers) * store.top_k * (1 - fraction) * expert_bytes
-    return target * resident_tok_s * per_token / MB
+def expert_bytes(store: ExpertStore) -> int:
+    return sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
+
+
+def uniform_bytes_per_token(store: ExpertStore, fraction: float) -> float:
+    """What a decode token reads at resident `fraction` when routing is uniform and prediction perfect."""
+    return len(store.sparse_layers) * store.top_k * (1 - fraction) * expert_bytes(store)
 
 
 def warm_up(side: Side, say) -> float:
@@ -177,22 +200,14 @@ def summarize(measured: list[dict[str, Any]], *, rate_mbps: float, modelled: dic
     }
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short
-    raise SystemExit(128 + signum)  # unwinds through main's finally: the system and the reader stop
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
 
     def say(text: str) -> None:
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    model_dir, built, seconds = model_from_arguments(args)
-    say(f"model {model_dir}" + (f" (built in {seconds:.0f} s)" if built else ""))
-    store = ExpertStore.open(model_dir)
-    io_mode = resolve_io_mode(args.io_mode, model_dir)
+    model_dir, store, io_mode = open_model(args, say)
     spec = {
         "slots_per_layer": store.experts_per_layer,
         "tokens": args.tokens,
@@ -203,18 +218,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         side.ready()
         resident_tok_s = warm_up(side, say)
-        modelled = None
-        rate = args.rate_mbps
+        per_token = args.bytes_per_token or uniform_bytes_per_token(store, args.resident_fraction)
+        modelled, rate = None, args.rate_mbps
         if rate is None:
-            rate = modelled_rate_mbps(
-                store, resident_tok_s=resident_tok_s, fraction=args.resident_fraction, target=args.target
-            )
+            rate = args.target * resident_tok_s * per_token / MB
             modelled = {
                 "resident_fraction": args.resident_fraction,
                 "target": args.target,
                 "resident_tok_s": resident_tok_s,
+                "bytes_per_token": per_token,
+                "bytes_per_token_from": "uniform routing" if args.bytes_per_token is None else "given",
             }
-        batch = max(1, round(store.top_k * (1 - args.resident_fraction)))
+        # A layer visit's misses are read together, as the I/O workers read a wave's. Where routing
+        # is skewed, misses bunch in fewer visits than bytes over layers says: give --batch.
+        batch = args.batch or max(1, round(per_token / len(store.sparse_layers) / expert_bytes(store)))
         say(f"paced reads: {rate:.0f} MB/s, {batch} experts at a time ({io_mode})")
         reads = {"model_dir": model_dir, "rate_mbps": rate, "batch": batch, "io_mode": io_mode}
         measured = run_rounds(side, reads, args.rounds, say)

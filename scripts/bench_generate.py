@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,6 +69,7 @@ except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from instruments.bench_model import add_model_arguments, model_from_arguments
 
+from instruments.bench_cli import exit_on_sigterm
 from instruments.bench_report import build_report, model_facts, model_line, report_lines
 from instruments.disk import disk_bandwidth, resolve_io_mode
 from instruments.figures import median
@@ -374,16 +374,11 @@ class Bench:
         )
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-    sys.exit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM ends the bench as Ctrl-C does: on the way out every started system is stopped and its
     # slab unlinked (by default the signal would kill the process and leave both slabs behind).
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.INFO if args.verbose else logging.WARNING)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from instruments.figures import MB, median
-from scripts.bench_floor import PacedReads, modelled_rate_mbps
+from scripts.bench_floor import PacedReads, uniform_bytes_per_token
 from shared.store import ExpertStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,27 +50,42 @@ def test_rounds_alternate_and_the_rate_is_the_modelled_one(cache):
     modelled = report["modelled"]
     assert modelled["resident_fraction"] == 0.5 and modelled["target"] == 0.9
     store = ExpertStore.open(_model(cache))
-    expected = modelled_rate_mbps(store, resident_tok_s=modelled["resident_tok_s"], fraction=0.5, target=0.9)
     expert_bytes = sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
-    by_hand = 0.9 * modelled["resident_tok_s"] * 2 * 2 * 0.5 * expert_bytes / MB  # 2 layers, top-2, half missed
-    assert report["rate_mbps"] == pytest.approx(expected) == pytest.approx(by_hand)
+    by_hand = 2 * 2 * 0.5 * expert_bytes  # 2 layers, top-2, half of them missed
+    assert modelled["bytes_per_token"] == uniform_bytes_per_token(store, 0.5) == by_hand
+    assert modelled["bytes_per_token_from"] == "uniform routing"
+    assert report["rate_mbps"] == pytest.approx(0.9 * modelled["resident_tok_s"] * by_hand / MB)
+    assert "1 experts at a time" in result.stderr  # a layer visit's misses: one of top-2 at half resident
     assert report["reads_MBps"] > 0 and report["reads_cpu_ms_per_s"] > 0
     assert report["floor_ratio"] == pytest.approx(median(report["floor_ratio_rounds"]))
     assert set(report["decode_cpu_ms_per_token"]) == {"alone", "with"}
 
 
-def test_a_given_rate_is_read_and_bad_values_are_named(cache):
+def test_a_given_rate_or_bytes_per_token_is_read_and_bad_values_are_named(cache):
     result = _bench(cache, "--rounds", "1", "--rate-mbps", "3")
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["rate_mbps"] == 3 and report["modelled"] is None
+    store = ExpertStore.open(_model(cache))
+    per_token = 6 * sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
+    result = _bench(cache, "--rounds", "1", "--bytes-per-token", str(per_token))
+    assert result.returncode == 0, result.stderr[-4000:]
+    modelled = json.loads(result.stdout.strip().splitlines()[-1])["modelled"]
+    assert modelled["bytes_per_token"] == per_token and modelled["bytes_per_token_from"] == "given"
+    assert "3 experts at a time" in result.stderr  # 6 experts a token over 2 sparse layers
+    result = _bench(cache, "--rounds", "1", "--bytes-per-token", str(per_token), "--batch", "2")
+    assert result.returncode == 0 and "2 experts at a time" in result.stderr, result.stderr[-4000:]
     for flag, value, message in (
         ("--rate-mbps", "0", "--rate-mbps must be > 0, got 0.0"),
         ("--resident-fraction", "1", "--resident-fraction must be in (0, 1), got 1.0"),
         ("--target", "1.5", "--target must be in (0, 1], got 1.5"),
+        ("--bytes-per-token", "-1", "--bytes-per-token must be > 0, got -1.0"),
+        ("--batch", "0", "--batch must be >= 1, got 0"),
     ):
         refused = _bench(cache, flag, value)
         assert refused.returncode == 2 and message in refused.stderr
+    both = _bench(cache, "--bytes-per-token", "5", "--rate-mbps", "3")
+    assert both.returncode == 2 and "give --bytes-per-token or --rate-mbps, not both" in both.stderr
 
 
 def test_sigterm_stops_the_system_and_the_reader(cache):
