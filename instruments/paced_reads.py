@@ -60,10 +60,13 @@ def read_paced(store: ExpertStore, *, rate_bps: float, batch: int, io_mode: str,
         for layer in store.sparse_layers
         for expert in range(store.experts_per_layer)
     ]
+    if not 1 <= batch <= len(ranges):
+        raise ValueError(f"batch must be in [1, {len(ranges)}] (the checkpoint's routed experts), got {batch}")
     region = mmap.mmap(-1, batch * store.slot_bytes)
-    files = [BypassFile.open(path, mode=io_mode, block_size=store.block_size) for path in store.manifest]
+    files: list[BypassFile] = []
     loads = total = 0
     try:
+        files.extend(BypassFile.open(path, mode=io_mode, block_size=store.block_size) for path in store.manifest)
         with ReadPool(threads=1) as pool:
             print(json.dumps({"reading": True, "mode": files[0].mode}), flush=True)
             started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
@@ -106,18 +109,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: stopping.append(number))
     try:
-        store = ExpertStore.open(args.model)
-    except (OSError, ValueError) as error:
+        report = read_paced(
+            ExpertStore.open(args.model),
+            rate_bps=args.rate_mbps * MB,
+            batch=args.batch,
+            io_mode=args.io_mode,
+            seed=args.seed,
+            stop=lambda: bool(stopping) or os.getppid() != parent,  # a parent gone leaves no reader behind
+        )
+    except (OSError, ValueError) as error:  # an unknown model, a file it cannot open or read, a bad batch
         print(f"paced_reads: error: {args.model}: {error}", file=sys.stderr, flush=True)
         return 2
-    report = read_paced(
-        store,
-        rate_bps=args.rate_mbps * MB,
-        batch=args.batch,
-        io_mode=args.io_mode,
-        seed=args.seed,
-        stop=lambda: bool(stopping) or os.getppid() != parent,  # a parent gone leaves no reader behind
-    )
     print(json.dumps(report), flush=True)
     return 0
 

@@ -186,7 +186,9 @@ def summarize(measured: list[dict[str, Any]], *, rate_mbps: float, modelled: dic
         "alone_tok_s": median([row["alone"]["decode_tok_s"] for row in measured]),
         "with_reads_tok_s": median([row["with"]["decode_tok_s"] for row in measured]),
         "reads_MBps": median([r["MBps"] for r in reads]),
-        "reads_cpu_ms_per_s": median([(r["cpu_user_s"] + r["cpu_system_s"]) * 1e3 / r["seconds"] for r in reads]),
+        "reads_cpu_ms_per_s": median(
+            [(r["cpu_user_s"] + r["cpu_system_s"]) * 1e3 / max(r["seconds"], 1e-9) for r in reads]
+        ),
         "reads_system_share": median(
             [r["cpu_system_s"] / max(1e-9, r["cpu_user_s"] + r["cpu_system_s"]) for r in reads]
         ),

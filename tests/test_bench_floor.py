@@ -166,6 +166,15 @@ def test_paced_reads_stop_when_their_parent_is_gone(cache):
         raise
 
 
-def test_a_reader_that_cannot_start_is_an_error(tmp_path):
+def test_a_reader_that_cannot_start_is_an_error(cache, tmp_path):
     with pytest.raises(RuntimeError, match=r"paced reads did not start \(exit code 2\)"):
         PacedReads(tmp_path, rate_mbps=1.0, batch=1, io_mode="direct", seed=0)
+    _bench(cache, "--rounds", "1", "--rate-mbps", "1")
+    refused = subprocess.run(
+        [sys.executable, str(READER), str(_model(cache)), "--rate-mbps=1", "--batch=17"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2  # 2 layers x 8 experts: at most 16 at once
+    assert "batch must be in [1, 16] (the checkpoint's routed experts), got 17" in refused.stderr
