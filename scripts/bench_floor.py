@@ -28,7 +28,8 @@ come on this machine when everything it does besides the reads is free. Where it
 `--rate-mbps` reads at a fixed rate instead.
 
 Speeds vary with the host (this kind of VM drifts 10-15% over minutes); both jobs of a round run
-minutes within each other on the same started system. `--json`: the last line is one JSON object.
+minutes within each other on the same started system. Both decode greedily from one prompt: their
+tokens must be equal (`tokens_match`, exit 1 otherwise). `--json`: the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -174,12 +175,17 @@ def run_rounds(side: Side, reads: dict[str, Any], rounds: int, say) -> list[dict
     return measured
 
 
-def summarize(measured: list[dict[str, Any]], *, rate_mbps: float, modelled: dict[str, Any] | None) -> dict[str, Any]:
+def summarize(
+    measured: list[dict[str, Any]], *, rate_mbps: float, batch: int, modelled: dict[str, Any] | None
+) -> dict[str, Any]:
     ratios = [row["ratio"] for row in measured]
     reads = [row["reads"] for row in measured]
     return {
         "rate_mbps": rate_mbps,
+        "batch": batch,
         "modelled": modelled,
+        # The same greedy job alone and beside the reads: one list of tokens, or something is wrong.
+        "tokens_match": len({tuple(row[part]["tokens"]) for row in measured for part in ("alone", "with")}) == 1,
         "rounds": len(measured),
         "floor_ratio": median(ratios),
         "floor_ratio_rounds": ratios,
@@ -242,16 +248,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         side.stop()
-    report = summarize(measured, rate_mbps=rate, modelled=modelled)
+    report = summarize(measured, rate_mbps=rate, batch=batch, modelled=modelled)
     say(
         f"floor: decode with the reads / alone, median {report['floor_ratio']:.3f} over {report['rounds']} rounds "
         f"({', '.join(f'{r:.3f}' for r in report['floor_ratio_rounds'])}); alone {report['alone_tok_s']:.3f}, "
         f"with reads {report['with_reads_tok_s']:.3f} tok/s; reads {report['reads_MBps']:.0f} MB/s, "
-        f"their own CPU {report['reads_cpu_ms_per_s']:.0f} ms a second"
+        f"their own CPU {report['reads_cpu_ms_per_s']:.0f} ms a second; tokens match: {report['tokens_match']}"
     )
     if args.json:
         print(json.dumps(report))
-    return 0
+    return 0 if report["tokens_match"] else 1
 
 
 if __name__ == "__main__":

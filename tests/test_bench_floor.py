@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from instruments.figures import MB, median
-from scripts.bench_floor import PacedReads, uniform_bytes_per_token
+from scripts.bench_floor import PacedReads, summarize, uniform_bytes_per_token
 from shared.store import ExpertStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def test_rounds_alternate_and_the_rate_is_the_modelled_one(cache):
     result = _bench(cache, "--rounds", "2", "--resident-fraction", "0.5", "--target", "0.9")
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["rounds"] == 2 and len(report["floor_ratio_rounds"]) == 2
+    assert report["rounds"] == 2 and len(report["floor_ratio_rounds"]) == 2 and report["tokens_match"] is True
     for line in ("round 1 (alone,with)", "round 2 (with,alone)"):
         assert line in result.stderr
     modelled = report["modelled"]
@@ -55,7 +55,7 @@ def test_rounds_alternate_and_the_rate_is_the_modelled_one(cache):
     assert modelled["bytes_per_token"] == uniform_bytes_per_token(store, 0.5) == by_hand
     assert modelled["bytes_per_token_from"] == "uniform routing"
     assert report["rate_mbps"] == pytest.approx(0.9 * modelled["resident_tok_s"] * by_hand / MB)
-    assert "1 experts at a time" in result.stderr  # a layer visit's misses: one of top-2 at half resident
+    assert "1 experts at a time" in result.stderr and report["batch"] == 1  # one of top-2 missed at half resident
     assert report["reads_MBps"] > 0 and report["reads_cpu_ms_per_s"] > 0
     assert report["floor_ratio"] == pytest.approx(median(report["floor_ratio_rounds"]))
     assert set(report["decode_cpu_ms_per_token"]) == {"alone", "with"}
@@ -178,3 +178,21 @@ def test_a_reader_that_cannot_start_is_an_error(cache, tmp_path):
     )
     assert refused.returncode == 2  # 2 layers x 8 experts: at most 16 at once
     assert "batch must be in [1, 16] (the checkpoint's routed experts), got 17" in refused.stderr
+
+
+def test_the_report_pairs_each_round_and_sees_tokens_that_differ():
+    def job(tok_s: float, tokens: list[int]) -> dict:
+        return {"decode_tok_s": tok_s, "tokens": tokens, "decode_cpu_ms_per_token": {"gpu_worker": tok_s}}
+
+    reads = {"MBps": 10.0, "cpu_user_s": 0.1, "cpu_system_s": 0.3, "seconds": 2.0}
+    rows = [
+        {"alone": job(4.0, [1, 2]), "with": job(3.0, [1, 2]), "reads": reads, "ratio": 0.75},
+        {"alone": job(2.0, [1, 2]), "with": job(2.0, [1, 2]), "reads": reads, "ratio": 1.0},
+    ]
+    report = summarize(rows, rate_mbps=10.0, batch=3, modelled=None)
+    assert report["floor_ratio"] == pytest.approx(0.875) and report["floor_ratio_rounds"] == [0.75, 1.0]
+    assert report["tokens_match"] is True and report["batch"] == 3
+    assert report["reads_cpu_ms_per_s"] == pytest.approx(200.0) and report["reads_system_share"] == pytest.approx(0.75)
+    assert report["decode_cpu_ms_per_token"] == {"alone": {"gpu_worker": 3.0}, "with": {"gpu_worker": 2.5}}
+    rows[1]["with"] = job(2.0, [1, 3])
+    assert summarize(rows, rate_mbps=10.0, batch=3, modelled=None)["tokens_match"] is False
