@@ -2,7 +2,7 @@
 
     python scripts/bench_generate.py [--layers 8 --experts 128 --hidden 2048 --moe-intermediate 768
                                       --top-k 8 --bits 4 --scale-dtype float32|bfloat16]
-                                     [--tokens 32 --prompt-tokens 16 --repeats 3 --temperature 0]
+                                     [--tokens 32 --prompt-tokens 16 --repeats 3 --passes 1 --temperature 0]
                                      [--sequential] [--model DIR] [--json]
 
 What is measured (default order: interleaved):
@@ -17,11 +17,9 @@ What is measured (default order: interleaved):
 - **streaming**: slots_per_layer = experts x `--resident-fraction` (0.25);
   warm-up jobs reach the steady state (with auto prefetch, until its first
   trial has a verdict, at most MAX_WARMUP_JOBS), then the measured jobs.
-- **disk**: `--disk-experts` random experts of the checkpoint read with the
-  native O_DIRECT reader (`native.ReadPool`, the I/O workers' reader) in
-  batches the size of a decode layer visit's misses (measured in the
-  streaming jobs), every segment of a batch in flight on io_workers x 8
-  threads, as the I/O workers read a visit's misses; plus one expert alone.
+- **disk**: `--disk-experts` random experts read with the I/O workers' native
+  O_DIRECT reader in batches of a decode layer visit's misses (measured in the
+  streaming jobs), each batch's segments in flight at once; plus one alone.
 - **roofline** of the streaming run: 1 / (t_compute + miss_bytes / disk_MBps)
   with miss_bytes the bytes of the experts missed per decode token (the
   GPU worker's leases say how many of each wave were resident; prefill
@@ -31,9 +29,10 @@ What is measured (default order: interleaved):
 Interleaved: mlx-lm stays loaded next to both started systems (about 8.5 GB
 at the default sizes) and each of `--repeats` rounds runs mlx-lm, a resident
 job, a streaming job and a disk measurement back to back, so a busy machine
-slows the things compared alike; `vs_mlx_lm_rounds` pairs each round.
-`--sequential`: mlx-lm first, freed (del, gc, `mx.clear_cache`) before the
-systems start one after the other (for models too big to keep twice).
+slows the things compared alike; `vs_mlx_lm_rounds` pairs each round. A
+started system can stay a few percent faster than another for its whole life:
+`--passes N` starts both afresh N times (`vs_resident_pass_medians`).
+`--sequential`: mlx-lm first, freed before the systems start one by one.
 
 Every job's tokens must equal mlx-lm's (the script exits 1 otherwise). The
 GPU worker's per-layer lease telemetry (IPC wait = lease round trips,
@@ -98,6 +97,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     run.add_argument("--sample-seed", type=int, default=0, help="the jobs' sampling seed (same for mlx-lm)")
     run.add_argument("--repeats", type=int, default=3, help="measured rounds; medians reported")
+    run.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="times both systems are started afresh for --repeats rounds each (interleaved order)",
+    )
     run.add_argument(
         "--resident-fraction", type=float, default=0.25, help="streaming run: slots per layer = experts x this"
     )
@@ -176,6 +181,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "tokens",
         "prompt_tokens",
         "repeats",
+        "passes",
         "io_workers",
         "disk_experts",
     ):
@@ -183,6 +189,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.resident_fraction <= 1:
         parser.error("--resident-fraction must be in (0, 1]")
+    if args.passes > 1 and args.sequential:
+        parser.error("--passes needs the interleaved order (not --sequential)")
     if args.top_k > args.experts:
         parser.error("--top-k must not exceed --experts")
     if args.temperature < 0:
@@ -314,26 +322,36 @@ class Bench:
 
     def interleaved(self) -> None:
         mlx = MlxLm(self.model_dir)
-        self.base_info = {"load_s": mlx.load_s, "moe_layer_ms": mlx.moe_layer_ms()}
-        self.baseline(mlx)  # the expected tokens (and mlx-lm warmed up); not a measured round
-        self.base_runs.clear()
+        try:
+            self.base_info = {"load_s": mlx.load_s, "moe_layer_ms": mlx.moe_layer_ms()}
+            self.baseline(mlx)  # the expected tokens (and mlx-lm warmed up); not a measured round
+            self.base_runs.clear()
+            for index in range(self.args.passes):
+                self.one_pass(index, mlx)
+        finally:
+            mlx.close()
+
+    def one_pass(self, index: int, mlx: MlxLm) -> None:
+        """Both systems started afresh, `--repeats` rounds, both stopped. A part's jobs of earlier
+        passes go before its new system's, whose summary then pools every pass's rounds."""
+        earlier = {part: system.jobs for part, system in self.systems.items()}
+        self.systems.clear()
         try:
             for part in self.parts:
-                self.start(part)
+                self.start(part).jobs[:0] = earlier.get(part, [])
             for round_ in range(self.args.repeats):
                 self.baseline(mlx)
                 for part in self.parts:
                     self.systems[part].job(self.prompt, self.args.tokens, expected=self.expected, **self.sample)
                 self.disk()
                 self.say(
-                    f"round {round_ + 1}: mlx-lm {self.base_runs[-1]['decode_tok_s']:.3f} tok/s"
+                    f"pass {index + 1}, round {round_ + 1}: mlx-lm {self.base_runs[-1]['decode_tok_s']:.3f} tok/s"
                     + "".join(f", {part} {self.systems[part].jobs[-1]['decode_tok_s']:.3f}" for part in self.parts)
                     + f", disk {self.disk_runs[-1]['MBps']:.0f} MB/s"
                 )
         finally:
             for system in self.systems.values():
                 system.stop()
-            mlx.close()
 
     def sequential(self) -> None:
         mlx = MlxLm(self.model_dir)
@@ -362,7 +380,7 @@ class Bench:
 
     def report(self) -> dict[str, Any]:
         """What --json prints (`instruments.bench_report.build_report`), less the argv, model and memory."""
-        return build_report(
+        report = build_report(
             sequential=self.args.sequential,
             sample=self.sample,
             prompt=self.prompt,
@@ -372,6 +390,13 @@ class Bench:
             disk_runs=self.disk_runs,
             summaries={part: system.summary() for part, system in self.systems.items()},
         )
+        report["passes"] = self.args.passes
+        rounds, each = report.get("streaming", {}).get("vs_resident_rounds"), self.args.repeats
+        if rounds:  # each pass's median: a difference between started systems shows between passes
+            report["streaming"]["vs_resident_pass_medians"] = [
+                median(rounds[k : k + each]) for k in range(0, len(rounds), each)
+            ]
+        return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:

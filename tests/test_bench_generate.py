@@ -211,3 +211,23 @@ def test_sigterm_stops_the_started_systems_and_unlinks_their_slabs(cache):
             bench.wait()
     assert bench.returncode == 128 + signal.SIGTERM, err[-4000:]
     assert _slabs() == before  # and the conftest's leak check finds no child process left
+
+
+def test_passes_start_both_systems_afresh_and_pool_their_rounds(cache):
+    result = subprocess.run(_command(cache, "--passes", "2"), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["passes"] == 2 and report["tokens_match"] is True
+    resident, streaming = report["resident"], report["streaming"]
+    for part in (resident, streaming):
+        assert len(part["decode_tok_s_runs"]) == 2  # one round a pass
+        assert part["warmup_jobs"] >= 2  # each pass's new system warmed up
+    rounds = streaming["vs_resident_rounds"]
+    assert rounds == pytest.approx(
+        [s / r for s, r in zip(streaming["decode_tok_s_runs"], resident["decode_tok_s_runs"])]
+    )
+    assert streaming["vs_resident_pass_medians"] == pytest.approx(rounds)  # a pass of one round is its own median
+    refused = subprocess.run(
+        _command(cache, "--passes", "2", "--sequential"), capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert refused.returncode == 2 and "--passes needs the interleaved order (not --sequential)" in refused.stderr
