@@ -198,6 +198,8 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
             head += f" = {s['vs_resident']:.3f} x resident"
             if "vs_resident_rounds" in s:
                 head += f" (per round {_fmt(s['vs_resident_rounds'])})"
+            if len(s.get("vs_resident_pass_medians", ())) > 1:
+                head += f" (per pass, medians {_fmt(s['vs_resident_pass_medians'])})"
         lines.append(head)
         prefetch = s.get("prefetch", {})
         if prefetch.get("issued_per_token") or prefetch.get("steps_without"):

@@ -227,6 +227,9 @@ def test_passes_start_both_systems_afresh_and_pool_their_rounds(cache):
         [s / r for s, r in zip(streaming["decode_tok_s_runs"], resident["decode_tok_s_runs"])]
     )
     assert streaming["vs_resident_pass_medians"] == pytest.approx(rounds)  # a pass of one round is its own median
+    assert "x resident (per round " in "\n".join(report_lines(report)) and "(per pass, medians " in "\n".join(
+        report_lines(report)
+    )
     refused = subprocess.run(
         _command(cache, "--passes", "2", "--sequential"), capture_output=True, text=True, timeout=60, cwd=ROOT
     )
