@@ -227,9 +227,8 @@ def test_passes_start_both_systems_afresh_and_pool_their_rounds(cache):
         [s / r for s, r in zip(streaming["decode_tok_s_runs"], resident["decode_tok_s_runs"])]
     )
     assert streaming["vs_resident_pass_medians"] == pytest.approx(rounds)  # a pass of one round is its own median
-    assert "x resident (per round " in "\n".join(report_lines(report)) and "(per pass, medians " in "\n".join(
-        report_lines(report)
-    )
+    text = "\n".join(report_lines(report))  # what the script prints without --json
+    assert "x resident (per round " in text and "(per pass, medians " in text
     refused = subprocess.run(
         _command(cache, "--passes", "2", "--sequential"), capture_output=True, text=True, timeout=60, cwd=ROOT
     )
