@@ -102,6 +102,7 @@ def main(argv: list[str]) -> int:
     log.propagate = False
     try:
         store = ExpertStore.open(model_dir)
+        # Not instruments.bench_cli.one_expert_bytes: ROOT may be an older checkout without it.
         expert_bytes = sum(segment.length for segment in store.locate(store.sparse_layers[0], 0).segments)
         system = System(
             store,

@@ -1,4 +1,5 @@
-"""What the benchmark scripts that start systems share: SIGTERM as an exit that unwinds, and their model.
+"""What the benchmark scripts that start systems share: SIGTERM as an exit that unwinds, their model
+and the size of one of its experts.
 
 By default SIGTERM kills a Python process where it stands, which would leave the systems a bench
 started (their processes and slabs) behind; `exit_on_sigterm` makes it unwind through the
@@ -33,3 +34,8 @@ def open_model(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Pa
     model_dir, built, seconds = model_from_arguments(args)
     say(f"model {model_dir}" + (f" (built in {seconds:.0f} s)" if built else ""))
     return model_dir, ExpertStore.open(model_dir), resolve_io_mode(args.io_mode, model_dir)
+
+
+def one_expert_bytes(store: ExpertStore) -> int:
+    """The bytes of one routed expert (the first sparse layer's first; a model's experts share a shape)."""
+    return sum(segment.length for segment in store.locate(store.sparse_layers[0], 0).segments)

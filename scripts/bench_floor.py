@@ -50,7 +50,7 @@ except ImportError:  # run from a checkout without the editable install
     from instruments.bench_model import add_model_arguments
 
 from instruments.ab_side import Side
-from instruments.bench_cli import exit_on_sigterm, open_model
+from instruments.bench_cli import exit_on_sigterm, one_expert_bytes, open_model
 from instruments.figures import MB, median
 from shared.store import ExpertStore
 
@@ -129,13 +129,9 @@ class PacedReads:
         return json.loads(out.strip().splitlines()[-1])
 
 
-def expert_bytes(store: ExpertStore) -> int:
-    return sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
-
-
 def uniform_bytes_per_token(store: ExpertStore, fraction: float) -> float:
     """What a decode token reads at resident `fraction` when routing is uniform and prediction perfect."""
-    return len(store.sparse_layers) * store.top_k * (1 - fraction) * expert_bytes(store)
+    return len(store.sparse_layers) * store.top_k * (1 - fraction) * one_expert_bytes(store)
 
 
 def warm_up(side: Side, say) -> float:
@@ -239,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
         # A layer visit's misses are read together, as the I/O workers read a wave's. Where routing
         # is skewed, misses bunch in fewer visits than bytes over layers says: give --batch.
-        batch = args.batch or max(1, round(per_token / len(store.sparse_layers) / expert_bytes(store)))
+        batch = args.batch or max(1, round(per_token / len(store.sparse_layers) / one_expert_bytes(store)))
         say(f"paced reads: {rate:.0f} MB/s, {batch} experts at a time ({io_mode})")
         reads = {"model_dir": model_dir, "rate_mbps": rate, "batch": batch, "io_mode": io_mode}
         measured = run_rounds(side, reads, args.rounds, say)

@@ -68,7 +68,7 @@ except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from instruments.bench_model import add_model_arguments, model_from_arguments
 
-from instruments.bench_cli import exit_on_sigterm
+from instruments.bench_cli import exit_on_sigterm, one_expert_bytes
 from instruments.bench_report import build_report, model_facts, model_line, report_lines
 from instruments.disk import disk_bandwidth, resolve_io_mode
 from instruments.figures import median
@@ -221,7 +221,7 @@ class Bench:
         self.args, self.store, self.model_dir, self.io_mode = args, store, model_dir, io_mode
         self.telemetry, self.say = telemetry, say
         self.prompt = prompt_tokens(args.prompt_tokens)
-        self.expert_bytes = sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments)
+        self.expert_bytes = one_expert_bytes(store)
         self.sample = dict(temperature=args.temperature, seed=args.sample_seed)
         skip = {p.strip() for p in args.skip.split(",") if p.strip()}
         self.parts = [part for part in ("resident", "streaming") if part not in skip]

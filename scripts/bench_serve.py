@@ -49,6 +49,7 @@ except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from instruments.bench_model import add_model_arguments, model_from_arguments
 
+from instruments.bench_cli import one_expert_bytes
 from instruments.disk import resolve_io_mode
 from instruments.figures import median
 from instruments.lease_telemetry import TelemetryLog
@@ -187,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         io_mode=resolve_io_mode(args.io_mode, model_dir),
         working_slots=None,
         telemetry=telemetry,
-        expert_bytes=sum(seg.length for seg in store.locate(store.sparse_layers[0], 0).segments),
+        expert_bytes=one_expert_bytes(store),
         max_sequences=max_sequences,
     )
     results: dict[str, Any] = {}
