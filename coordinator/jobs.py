@@ -240,9 +240,11 @@ class JobFrontDoor:
     def poke(self) -> None:
         """Start queued jobs while fewer than `max_running` run and the system is ready."""
         while len(self._running) < self._max_running and not self._finishing and self._queue and self._host.ready():
-            self._start(self._queue.popleft())
+            if not self._start(self._queue.popleft()):
+                break
 
-    def _start(self, job: _Job) -> None:
+    def _start(self, job: _Job) -> bool:
+        """Send `job` to the GPU worker; False when it could not be sent (it is back in the queue)."""
         request = job.request
         message = Job(
             job_id=job.job_id,
@@ -264,11 +266,16 @@ class JobFrontDoor:
         job.started_at = time.monotonic()
         self._host.begin_job(job.job_id)
         if not self._host.send_gpu(message):
+            # The worker is gone and its loss not yet handled (the pid watch takes a moment): the
+            # job never started, so it waits at the head of the queue for the next worker. Failing
+            # it instead, then starting the next, drained the whole queue into failures.
             del self._running[job.job_id]
-            self._failed += 1
-            self._reply_error(job.identity, WORKER_FAILED, "the GPU worker cannot be reached", request.id)
-            return
+            job.started_at = None
+            self._queue.appendleft(job)
+            logger.warning("job %d (%r) not sent: the GPU worker cannot be reached; it waits", job.job_id, request.id)
+            return False
         logger.info("job %d (%r) started", job.job_id, request.id)
+        return True
 
     def fail_running(self, code: str, message: str) -> None:
         """Fail the youngest running job (e.g. memory pressure: its KV cache is the newest growth);

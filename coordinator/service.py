@@ -348,7 +348,10 @@ class Coordinator:
 
     def send_gpu(self, message: object) -> bool:
         self.progress.at = time.monotonic()  # a job (or a cancel) gives it work: its clock starts
-        return self.gpu.identity is not None and send_routed(self.gpu_sock, self.gpu.identity, message)
+        sent = self.gpu.identity is not None and send_routed(self.gpu_sock, self.gpu.identity, message)
+        if not sent:  # gone (ROUTER_MANDATORY): no job starts until its loss is handled and one is ready
+            self.gpu.ready = False
+        return sent
 
     def ready(self) -> bool:
         return self.io_ready and self.gpu.ready and self.sizing.sized is not None and not self.stopping
