@@ -8,7 +8,8 @@ e.g. a worktree of an older commit), so that two sides may run two versions of t
 SPEC_JSON holds `slots_per_layer`, `tokens`, `prompt_tokens` and `options` (keyword
 arguments of `instruments.system_jobs.System`). The first stdout line is `{"ready": ...}`
 (or `{"error": ...}`, exit 2); each `go` prints one JSON line (the job's figures); end of
-input or `stop` stops the system.
+input or `stop` stops the system, and so does SIGTERM (exit 143), which a side gets with its
+driver's process group (`timeout`, a shell's job control).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +87,16 @@ def _job_line(job: dict) -> dict:
     }
 
 
+def _exit(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
+    # SIGTERM unwinds, so that the system stops and its slab and run directory go, whether it is
+    # starting (start_system stops what it started) or serving. Not instruments.bench_cli's
+    # exit_on_sigterm: importing this checkout's `instruments` would shadow ROOT's.
+    signal.signal(signal.SIGTERM, _exit)
     root, model_dir, spec = Path(argv[0]).resolve(), Path(argv[1]), json.loads(argv[2])
     sys.path.insert(0, str(root))  # the side's code, before this checkout's
     os.chdir(root)

@@ -5,17 +5,22 @@ the script's business, never asserted here."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from instruments.ab_side import Side
 from scripts.bench_ab import parse_side
+from tests.helpers.system import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--layers", "2", "--experts", "8", "--hidden", "128", "--moe-intermediate", "64", "--top-k", "2"]
@@ -106,6 +111,52 @@ def test_sigterm_stops_both_sides(cache):
     finally:
         if bench.poll() is None:
             bench.kill()
+            bench.wait()
+
+
+def _run_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "moeslab-*")))
+
+
+def _has_coordinator(process: psutil.Process) -> bool:
+    for child in process.children(recursive=True):
+        try:
+            if "coordinator" in " ".join(child.cmdline()):
+                return True
+        except psutil.Error:  # gone since it was listed
+            continue
+    return False
+
+
+@pytest.mark.parametrize("phase", ["starting", "serving"])
+def test_sigterm_to_the_process_group_stops_every_side_and_leaves_nothing(cache, phase):
+    """As `timeout` or a shell's job control sends it: the sides get SIGTERM too, at the same time
+    as the driver, and each stops its system (starting: once a side has a coordinator; serving: in
+    round 1). conftest's no_leaks checks the slabs; the run directories are checked here."""
+    dirs_before = _run_dirs()
+    bench = subprocess.Popen(
+        _command(cache, "--rounds", "200"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        if phase == "starting":
+            while time.monotonic() < deadline and not _has_coordinator(psutil.Process(bench.pid)):
+                time.sleep(0.01)
+        else:
+            while time.monotonic() < deadline and not bench.stdout.readline().startswith("pass 1, round 1 "):
+                assert bench.poll() is None, bench.stderr.read()[-4000:]
+        assert time.monotonic() < deadline, f"{phase} not reached"
+        os.killpg(bench.pid, signal.SIGTERM)
+        assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+        assert wait_for(lambda: _run_dirs() <= dirs_before, timeout=30), sorted(_run_dirs() - dirs_before)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
 
 
