@@ -95,17 +95,26 @@ def test_side_options_parse_as_json_or_text_and_a_root_must_be_a_checkout(tmp_pa
         parse_side("prefetch")
 
 
+def _long_bench(cache, **popen) -> subprocess.Popen:
+    """A bench of 200 rounds, its progress lines on stdout."""
+    command = _command(cache, "--rounds", "200")
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _until_round_one(bench: subprocess.Popen, deadline: float) -> None:
+    """Read the bench's progress until its first measured round has run (asserted)."""
+    line = ""
+    while time.monotonic() < deadline:
+        line = bench.stdout.readline()
+        if not line or line.startswith("pass 1, round 1 "):
+            break
+    assert line.startswith("pass 1, round 1 "), bench.stderr.read()[-4000:] if bench.poll() is not None else line
+
+
 def test_sigterm_stops_both_sides(cache):
-    bench = subprocess.Popen(
-        _command(cache, "--rounds", "200"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    bench = _long_bench(cache)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = bench.stdout.readline()
-            if not line or line.startswith("pass 1, round 1 "):
-                break
-        assert line.startswith("pass 1, round 1 "), bench.stderr.read()[-4000:] if bench.poll() is not None else line
+        _until_round_one(bench, time.monotonic() + 240)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=120) == 128 + signal.SIGTERM
     finally:
@@ -134,23 +143,15 @@ def test_sigterm_to_the_process_group_stops_every_side_and_leaves_nothing(cache,
     as the driver, and each stops its system (starting: once a side has a coordinator; serving: in
     round 1). conftest's no_leaks checks the slabs; the run directories are checked here."""
     dirs_before = _run_dirs()
-    bench = subprocess.Popen(
-        _command(cache, "--rounds", "200"),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        process_group=0,
-    )
+    bench = _long_bench(cache, process_group=0)
     try:
         deadline = time.monotonic() + 240
         if phase == "starting":
             while time.monotonic() < deadline and not _has_coordinator(psutil.Process(bench.pid)):
                 time.sleep(0.01)
+            assert time.monotonic() < deadline, "no side had a coordinator"
         else:
-            while time.monotonic() < deadline and not bench.stdout.readline().startswith("pass 1, round 1 "):
-                assert bench.poll() is None, bench.stderr.read()[-4000:]
-        assert time.monotonic() < deadline, f"{phase} not reached"
+            _until_round_one(bench, deadline)
         os.killpg(bench.pid, signal.SIGTERM)
         assert bench.wait(timeout=120) == 128 + signal.SIGTERM
         assert wait_for(lambda: _run_dirs() <= dirs_before, timeout=30), sorted(_run_dirs() - dirs_before)
