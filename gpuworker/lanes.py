@@ -17,13 +17,13 @@ parts the lanes take turns on.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import mlx.core as mx
 
 from shared.config import MAX_COMPUTE_LANES as MAX_LANES
 from shared.config import check_compute_lanes
+from shared.scheduling import available_cores
 
 __all__ = [
     "AUTO_CPU_LANES",
@@ -39,14 +39,6 @@ __all__ = [
 # more cores may take more lanes, which `--compute-lanes` allows but auto does not pick untested.
 AUTO_CPU_LANES = 2
 _STREAMS: dict[tuple[int, str], mx.Stream] = {}  # (lane, device name) -> the lane's stream
-
-
-def available_cores() -> int:
-    """CPUs this process may run on (its affinity where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity call
-        return os.cpu_count() or 1
 
 
 def resolve_lanes(requested: int | None) -> tuple[int, str]:

@@ -187,7 +187,7 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
             continue
         head = (
             f"{part} ({s['slots_per_layer']} slots per layer, {s['resident_fraction']:.0%} of the experts, "
-            f"{s.get('compute_lanes', '?')} compute lanes): "
+            f"{s.get('compute_lanes', '?')} compute lanes, I/O workers {s.get('io_workers', '?')}): "
             f"{s['decode_tok_s']:.3f} tok/s (runs {_fmt(s['decode_tok_s_runs'])})"
         )
         if part == "resident":

@@ -163,6 +163,7 @@ class System:
         result = {
             "slots_per_layer": plan.slots_per_layer,
             "working_slots": plan.working_slots,
+            "io_workers": self.system.io_workers,
             "resident_fraction": plan.slots_per_layer / self.store.experts_per_layer,
             "budget_bytes": plan.budget_bytes,
             "slab_bytes": plan.slab_bytes,

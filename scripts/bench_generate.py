@@ -77,7 +77,7 @@ from instruments.machine import MemoryWatch, pin_processes, split_cpus, total_me
 from instruments.mlx_reference import MlxLm, prompt_tokens, until_eos
 from instruments.system_jobs import System
 from shared.config import COPY_AHEAD_MODES, LEASE_PATHS, check_compute_lanes, check_prefetch_distance
-from shared.scheduling import HELPER_SCHEDULING
+from shared.scheduling import HELPER_SCHEDULING, resolve_io_workers
 from shared.store import ExpertStore
 
 MAX_WARMUP_JOBS = 4  # auto prefetch's first trial takes 40-72 decode steps (prefetch_trial.py)
@@ -106,7 +106,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument(
         "--resident-fraction", type=float, default=0.25, help="streaming run: slots per layer = experts x this"
     )
-    run.add_argument("--io-workers", type=int, default=2)
+    run.add_argument("--io-workers", type=int, default=None, help="default: the system's auto choice")
     run.add_argument(
         "--io-mode",
         choices=("auto", "direct", "buffered"),
@@ -182,7 +182,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "prompt_tokens",
         "repeats",
         "passes",
-        "io_workers",
         "disk_experts",
     ):
         if getattr(args, name) < 1:
@@ -199,6 +198,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.compute_lanes is not None:
             check_compute_lanes(args.compute_lanes, name="--compute-lanes")
         check_prefetch_distance(args.prefetch_distance, name="--prefetch-distance")
+        args.io_workers = resolve_io_workers(args.io_workers)[0]  # the disk figure's readers too
     except ValueError as error:
         parser.error(str(error))
     if args.pin_helpers:

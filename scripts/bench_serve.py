@@ -70,7 +70,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--prompt-tokens", type=int, default=16)
     run.add_argument("--repeats", type=int, default=3)
     run.add_argument("--max-sequences", type=int, default=None, help="default: the largest stream count")
-    run.add_argument("--io-workers", type=int, default=2)
+    run.add_argument("--io-workers", type=int, default=None, help="default: the system's auto choice")
     run.add_argument("--io-mode", choices=("auto", "direct", "buffered"), default="auto")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)

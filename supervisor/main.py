@@ -1,6 +1,6 @@
 """The supervisor's entry: `moeslab-launch` (or `python -m supervisor`, `python scripts/launch.py`).
 
-    moeslab-launch --model DIR --memory-budget 8GiB [--io-workers 2] [--endpoint tcp://127.0.0.1:5555]
+    moeslab-launch --model DIR --memory-budget 8GiB [--io-workers N|auto] [--endpoint tcp://127.0.0.1:5555]
         [--http 127.0.0.1:8080 [--api-key KEY]]
 
 One entry function, `run_supervisor`: setup (stop signals, stale-run

@@ -42,7 +42,7 @@ class RestartPolicy:
 class SupervisorOptions:
     model: str
     memory_budget: int
-    io_workers: int = 2
+    io_workers: int | None = None  # None: auto (shared.scheduling.resolve_io_workers)
     working_slots: int | None = None
     slots_per_layer: int | None = None
     pinned_experts: int | str = 0  # a count or "auto"
@@ -124,6 +124,10 @@ def _lanes(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _io_workers(text: str) -> int | None:
+    return None if text == "auto" else _count(1)(text)
+
+
 def _distance(text: str) -> int:
     try:
         return check_prefetch_distance(_count(1)(text), name="D")
@@ -178,7 +182,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
         metavar="SIZE",
         help="total for dense weights, KV reserve and slab: 8GiB, 512MiB, 1.5GB or bytes",
     )
-    add("--io-workers", type=_count(1), default=2, metavar="N")
+    add(
+        "--io-workers",
+        type=_io_workers,
+        default=None,
+        metavar="N|auto",
+        help="I/O worker processes (auto: 1 on a host of at most 2 usable cores, else 2)",
+    )
     add("--working-slots", type=_count(1), default=None, metavar="N")
     add(
         "--slots-per-layer",

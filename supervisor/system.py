@@ -66,6 +66,7 @@ from shared.curve import CURVE_DIR, CurveKeys, load_server_keys, new_server_keys
 from shared.job_messages import HealthReply
 from shared.plan import ExpertResidencyPlan
 from shared.process_table import role_key, write_process_table
+from shared.scheduling import resolve_io_workers
 from shared.slab import Slab, new_slab_name
 from shared.sockets import ipc_path, remove_ipc_file
 from shared.store import ExpertStore
@@ -331,7 +332,7 @@ def start_system(
     *,
     model_dir: str | os.PathLike[str],
     memory_budget: int,
-    io_workers: int = 2,
+    io_workers: int | None = None,
     working_slots: int | None = None,
     slots_per_layer: int | None = None,
     pinned: int | Sequence[tuple[int, int]] = 0,
@@ -360,7 +361,7 @@ def start_system(
     http: str | None = None,
     api_key: str | None = None,
 ) -> RunningSystem:
-    """Start coordinator, `io_workers` I/O workers and the GPU worker for `model_dir`; ready on return.
+    """Start the coordinator, `io_workers` I/O workers (None: auto) and the GPU worker; ready on return.
 
     `pinned`: a count (the usage profile's most counted experts first) or explicit (layer, expert)
     pairs. `gpu_command` replaces `python -m gpuworker` (tests); its arguments follow
@@ -383,8 +384,8 @@ def start_system(
     hooks = tuple(test_hooks)
     if any(hook not in TEST_HOOKS for hook in hooks):
         raise ValueError(f"unknown test hook(s) {[h for h in hooks if h not in TEST_HOOKS]}; known: {list(TEST_HOOKS)}")
-    if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
-        raise ValueError(f"io_workers must be a positive integer, got {io_workers!r}")
+    io_workers, why = resolve_io_workers(io_workers)
+    logger.info("%d I/O worker(s) (%s)", io_workers, why)
     if compute_lanes is not None:
         check_compute_lanes(compute_lanes)
     parse_replacement(replacement)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from instruments.bench_report import report_lines
+from shared.scheduling import resolve_io_workers
 from shared.slab import SLAB_NAME_PREFIX, SLAB_TAG_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +122,9 @@ def test_bench_generate_reports_both_comparisons(cache, order):
     # bench_generate's MAX_WARMUP_JOBS (4) and the measured job is still on trial.
     assert resident["warmup_jobs"] == 1 and not resident["jobs"][0]["prefetch"]["trialling"]
     for part in (resident, streaming):  # what the threads' affinity held, read back
-        want = {"GPU worker": CPUS[:-1], "coordinator": CPUS[-1:], "I/O worker 0": CPUS[-1:], "I/O worker 1": CPUS[-1:]}
+        assert part["io_workers"] == resolve_io_workers(None)[0]  # no --io-workers: the system's auto choice
+        want = {"GPU worker": CPUS[:-1], "coordinator": CPUS[-1:]}
+        want |= {f"I/O worker {index}": CPUS[-1:] for index in range(part["io_workers"])}
         assert part["pinning"] == (want if pin else None)
     assert streaming["warmup_jobs"] == 4 and streaming["prefetch"]["trialling_jobs"] == 1
     assert streaming["prefetch"]["distance"] == 1  # the system's default: the next sparse layer

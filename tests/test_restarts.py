@@ -183,8 +183,12 @@ def _lost_with(stderr: str, pid: int) -> int | None:
     return None if found is None else int(found.group(1))
 
 
-def test_an_io_worker_killed_mid_job_is_restarted_and_the_job_completes_unchanged(model, want, tmp_path):
-    launched = launch(tmp_path, model_args(model) + ["--test-io-read-delay-ms", "60"])
+@pytest.mark.parametrize("workers", [1, 2], ids=["alone", "beside_another"])
+def test_an_io_worker_killed_mid_job_is_restarted_and_the_job_completes_unchanged(workers, model, want, tmp_path):
+    """Beside another worker its loads go there at once; alone (auto's choice on 2 cores) they wait
+    for its restarted self."""
+    args = ["--test-io-read-delay-ms", "60", "--io-workers", str(workers)]
+    launched = launch(tmp_path, model_args(model) + args)
     seen = [*launched.pids.values()]
     in_flight = []
     for attempt in range(3):  # until the kill lands while worker 0 has a load (almost always the first)
@@ -206,10 +210,11 @@ def test_an_io_worker_killed_mid_job_is_restarted_and_the_job_completes_unchange
             break
     stderr = launched.stderr()
     assert in_flight[-1], f"no kill landed while I/O worker 0 had loads in flight: {in_flight}"
-    assert "re-submitted the in-flight loads of lost I/O worker 0" in stderr
+    went = "waiting for a restarted worker" if workers == 1 else "to I/O worker 1"
+    assert re.search(rf"re-submitted the in-flight loads of lost I/O worker 0: \d+ {went}", stderr), stderr[-4000:]
     assert seen[-1] != victim
     with Client(launched.endpoint, timeout=30) as client:
-        assert client.health().io_workers == 2
+        assert client.health().io_workers == workers
     assert launched.signal(signal.SIGTERM) == 0
     assert_all_gone(launched, seen)
 
@@ -274,7 +279,8 @@ def test_a_coordinator_killed_mid_run_leaves_a_whole_ledger_and_everything_resta
     assert wait_for(lambda: "system restarted" in launched.stderr(), timeout=60), launched.stderr()[-3000:]
     check_tokens(run_tokens(launched.endpoint), want)
     coordinator = launched.child_pid("-m coordinator")
-    others = [launched.child_pid(needle) for needle in ("--index 0 ", "--index 1 ", "-m gpuworker")]
+    workers = [f"--index {name.rpartition('_')[2]} " for name in launched.pids if name.startswith("io_worker_")]
+    others = [launched.child_pid(needle) for needle in (*workers, "-m gpuworker")]
     assert coordinator != launched.pids["coordinator"] and not set(others) & set(launched.pids.values())
     assert launched.signal(signal.SIGTERM) == 0
     assert_all_gone(launched, [*launched.pids.values(), coordinator, *others])

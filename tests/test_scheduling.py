@@ -84,3 +84,22 @@ def test_a_refused_class_keeps_the_default_for_every_thread_and_says_why(monkeyp
 def test_an_unknown_class_is_refused_by_name():
     with pytest.raises(ValueError, match="'idle'"):
         enter_helper_scheduling("idle")
+
+
+def test_io_workers_auto_is_one_where_the_computation_fills_the_cores_else_two(monkeypatch):
+    assert [scheduling.resolve_io_workers(None, cores=n)[0] for n in (1, 2, 3, 4, 64)] == [1, 1, 2, 2, 2]
+    assert scheduling.resolve_io_workers(None, cores=2) == (1, "auto: 2 usable cores, which the computation fills")
+    assert scheduling.resolve_io_workers(None, cores=8) == (2, "auto: 8 usable cores")
+    monkeypatch.setattr(scheduling, "available_cores", lambda: 3)  # what auto asks when not told
+    assert scheduling.resolve_io_workers(None) == (2, "auto: 3 usable cores")
+    monkeypatch.setattr(scheduling, "available_cores", lambda: 2)
+    assert scheduling.resolve_io_workers(None)[0] == 1
+    assert scheduling.resolve_io_workers(3, cores=2) == (3, "requested")  # a request is kept whatever the cores
+    for bad in (0, -1, True, 1.0, "2"):
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            scheduling.resolve_io_workers(bad)
+
+
+def test_available_cores_is_this_process_affinity_where_there_is_one():
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert scheduling.available_cores() == expected

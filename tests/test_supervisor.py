@@ -26,6 +26,7 @@ import pytest
 from shared.client import Client, JobFailedError
 from shared.config import check_jobs_endpoint
 from shared.job_messages import TokenEvent
+from shared.scheduling import resolve_io_workers
 from shared.store import ExpertStore
 from supervisor.budget import parse_size
 from tests.helpers.supervisor import (
@@ -79,7 +80,7 @@ def test_sizes_and_endpoints_parse_or_are_refused():
 
 def test_ready_line_a_token_exact_job_and_sigterm_mid_job(model, want, tmp_path):
     store = ExpertStore.open(model)
-    launched = launch(tmp_path, model_args(model))
+    launched = launch(tmp_path, model_args(model) + ["--io-workers", "2"])
     ready = launched.ready
     assert set(ready) >= {"event", "endpoint", "run_dir", "pids", "plan", "slab"} and ready["event"] == "ready"
     run_dir = ready["run_dir"]
@@ -125,15 +126,16 @@ def test_loopback_tcp_endpoint_a_given_run_dir_and_sigint(model, tmp_path):
     run_dir = tmp_path / "run"
     launched = launch(
         tmp_path,
-        model_args(model)
-        + ["--endpoint", endpoint, "--run-dir", str(run_dir), "--pinned-experts", "auto", "--io-workers", "1"],
+        model_args(model) + ["--endpoint", endpoint, "--run-dir", str(run_dir), "--pinned-experts", "auto"],
     )
+    workers, why = resolve_io_workers(None)  # no --io-workers: auto (1 on this 2-core host)
+    assert f"{workers} I/O worker(s) ({why})" in launched.stderr()
     assert launched.ready["endpoint"] == endpoint and launched.ready["run_dir"] == str(run_dir)
-    assert launched.ready["plan"]["pinned_slots"] == 0 and "io_worker_1" not in launched.pids
+    assert launched.ready["plan"]["pinned_slots"] == 0 and ("io_worker_1" in launched.pids) == (workers == 2)
     assert not (run_dir / "jobs").exists()  # tcp: no socket file for jobs
     with Client(endpoint, timeout=30) as client:
         health = client.health()
-        assert health.ready and health.io_workers == 1 and health.gpu_worker
+        assert health.ready and health.io_workers == workers and health.gpu_worker
         assert health.liveness == ("pidfd" if hasattr(os, "pidfd_open") else "psutil")  # shared/pid_watch.py
     assert launched.signal(signal.SIGINT) == 0, launched.stderr()[-4000:]
     for pid in launched.pids.values():
@@ -202,6 +204,19 @@ def test_replacement_flag_parses_defaults_and_refuses():
         with pytest.raises(SystemExit) as exited:
             parse_args([*base, "--replacement", bad])
         assert exited.value.code == 2
+
+
+def test_io_workers_flag_is_a_count_or_auto(capsys):
+    from supervisor.options import parse_args
+
+    base = ["--model", "m", "--memory-budget", "1GiB"]
+    assert parse_args(base).io_workers is None  # auto: start_system asks resolve_io_workers
+    assert parse_args([*base, "--io-workers", "auto"]).io_workers is None
+    assert parse_args([*base, "--io-workers", "3"]).io_workers == 3
+    for bad, said in (("0", "must be >= 1, got 0"), ("two", "'two' is not an integer")):
+        with pytest.raises(SystemExit) as exited:
+            parse_args([*base, "--io-workers", bad])
+        assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_replacement_flag_reaches_the_coordinator(model, want, tmp_path):
