@@ -27,12 +27,16 @@ deep shape, 8 rounds: medians 1.011 and 1.018, single rounds 0.92-1.08), so
 each time, and reports each pass's median besides the median of all rounds.
 Both sides decode greedily from the same prompt: their tokens must be equal
 (`tokens_match`, exit 1 otherwise).
+`--throttle-read-mbps MB` limits the sides' reads from the model's disk (a cgroup,
+as root: instruments/read_throttle.py), for the bandwidth-bound regime of users'
+machines on this CPU-bound host.
 `--json`: the last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -49,6 +53,8 @@ except ImportError:  # run from a checkout without the editable install
 from instruments.ab_side import Side
 from instruments.bench_cli import exit_on_sigterm, open_model
 from instruments.figures import median
+from instruments.read_throttle import ReadThrottle
+from shared.scheduling import resolve_io_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WARMUP_JOBS = 4  # as bench_generate: auto prefetch's first trial takes 40-72 decode steps
@@ -91,6 +97,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--prompt-tokens", type=int, default=16)
     run.add_argument("--resident-fraction", type=float, default=0.25)
     run.add_argument("--io-mode", choices=("auto", "direct", "buffered"), default="auto")
+    run.add_argument(
+        "--throttle-read-mbps",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="limit the sides' reads from the model's disk to MB (10^6 bytes) a second, for the I/O-bound "
+        "regime of users' machines on a CPU-bound host (Linux cgroups, as root: instruments/read_throttle.py)",
+    )
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
     for name in ("rounds", "passes", "tokens", "prompt_tokens"):
@@ -98,6 +112,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.resident_fraction <= 1:
         parser.error("--resident-fraction must be in (0, 1]")
+    if args.throttle_read_mbps is not None and not args.throttle_read_mbps * 1e6 >= 1:
+        parser.error(f"--throttle-read-mbps must be a positive rate, got {args.throttle_read_mbps}")
     try:
         args.sides = {"A": parse_side(args.a), "B": parse_side(args.b)}
     except ValueError as error:
@@ -183,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model_dir, store, io_mode = open_model(args, say)
     slots = max(1, round(store.experts_per_layer * args.resident_fraction))
+    workers = resolve_io_workers(None)[0]  # the system's auto choice, as a count a side of older code takes
     specs = {
         name: (
             root,
@@ -190,18 +207,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "slots_per_layer": slots,
                 "tokens": args.tokens,
                 "prompt_tokens": args.prompt_tokens,
-                "options": {"io_workers": 2, "io_mode": io_mode, "working_slots": None, **options},
+                "options": {"io_workers": workers, "io_mode": io_mode, "working_slots": None, **options},
             },
         )
         for name, (root, options) in args.sides.items()
     }
     jobs: dict[str, list] = {"A": [], "B": []}
+    rate = None if args.throttle_read_mbps is None else round(args.throttle_read_mbps * 1e6)
     try:
-        passes = [run_pass(index, specs, model_dir, args.rounds, jobs, say) for index in range(args.passes)]
-    except RuntimeError as error:  # a side that could not start, or died: nothing to compare
+        with ReadThrottle(model_dir, rate) if rate else contextlib.nullcontext() as throttle:
+            if throttle is not None:
+                say(f"reads from {throttle.device} limited to {rate / 1e6:g} MB/s ({throttle.group})")
+            passes = [run_pass(index, specs, model_dir, args.rounds, jobs, say) for index in range(args.passes)]
+            throttled = throttle.bytes_read() if throttle is not None else None
+    except (RuntimeError, OSError) as error:  # a side that could not start or died, a limit refused
         print(f"bench_ab: {error}", file=sys.stderr, flush=True)
         return 2
     report = summarize({name: (root, spec["options"]) for name, (root, spec) in specs.items()}, passes, jobs)
+    report["throttle"] = None if rate is None else {"read_MBps": rate / 1e6, "bytes_read": throttled}
     say(
         f"B/A decode tok/s: median {report['b_over_a_round_median']:.3f} over {report['rounds']} rounds of "
         f"{report['passes']} pass(es) (pass medians {', '.join(f'{m:.3f}' for m in report['b_over_a_pass_medians'])}; "

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from instruments.ab_side import Side
+from instruments.read_throttle import groups_left, unavailable
 from scripts.bench_ab import parse_side
 from tests.helpers.system import wait_for
 
@@ -71,6 +72,22 @@ def test_two_sides_alternate_and_report_what_ran(cache):
     # lines say so).
     for line in ("pass 1, round 1 (A,B)", "pass 1, round 2 (B,A)", "pass 2, round 1 (B,A)", "pass 2, round 2 (A,B)"):
         assert line in result.stderr
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"read limit unavailable: {unavailable()}")
+def test_a_read_limit_holds_both_sides_and_goes_away_after(cache):
+    command = _command(cache, "--rounds", "1", "--passes", "1", "--b", "prefetch=off", "--throttle-read-mbps", "800")
+    result = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["throttle"]["read_MBps"] == 800 and report["throttle"]["bytes_read"] > 0  # the sides' reads
+    assert "limited to 800 MB/s" in result.stderr
+    assert not groups_left()
+
+
+def test_a_read_limit_that_is_no_rate_is_refused(cache):
+    result = subprocess.run(_command(cache, "--throttle-read-mbps", "0"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--throttle-read-mbps must be a positive rate, got 0.0" in result.stderr
 
 
 def test_a_side_that_cannot_start_is_named_and_the_other_is_stopped(cache):
