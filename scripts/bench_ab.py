@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import shlex
 import sys
 from collections.abc import Sequence
@@ -112,7 +113,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.resident_fraction <= 1:
         parser.error("--resident-fraction must be in (0, 1]")
-    if args.throttle_read_mbps is not None and not args.throttle_read_mbps * 1e6 >= 1:
+    if args.throttle_read_mbps is not None and not 1 <= args.throttle_read_mbps * 1e6 < math.inf:
         parser.error(f"--throttle-read-mbps must be a positive rate, got {args.throttle_read_mbps}")
     try:
         args.sides = {"A": parse_side(args.a), "B": parse_side(args.b)}

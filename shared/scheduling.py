@@ -48,9 +48,10 @@ def resolve_io_workers(requested: int | None, *, cores: int | None = None) -> tu
     Two let a hung or dead worker's loads go to the other at once while it is replaced; with one
     they wait for the restarted worker (the backend's replacement grace). On a 2-core host the
     computation fills both cores (two compute lanes), and a second worker's wake-ups (its reader
-    threads, its ZeroMQ thread, a layer's loads split into two messages) preempt it: one worker
-    was 1.0% and 0.7% faster in decode at the default benchmark (two bench_ab runs of 12 rounds,
-    every pass faster), with lease waits 4.2 -> 3.2 and 4.9 -> 3.5 ms a token and less CPU."""
+    threads, its ZeroMQ thread, a layer's loads split into two messages) preempt it. At the default
+    benchmark one worker decoded at 1.010, 1.007 and 1.002 of two's speed (three bench_ab runs of
+    12 rounds; 5 of their 6 pass medians above 1): within this host's noise, but every run cut the
+    lease waits (4.2 -> 3.2, 4.9 -> 3.5, 6.9 -> 3.7 ms a token) and the helpers' CPU."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ValueError(f"io_workers must be a positive integer or None (auto), got {requested!r}")

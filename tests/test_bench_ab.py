@@ -85,9 +85,10 @@ def test_a_read_limit_holds_both_sides_and_goes_away_after(cache):
     assert not groups_left()
 
 
-def test_a_read_limit_that_is_no_rate_is_refused(cache):
-    result = subprocess.run(_command(cache, "--throttle-read-mbps", "0"), capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--throttle-read-mbps must be a positive rate, got 0.0" in result.stderr
+@pytest.mark.parametrize(("rate", "said"), [("0", "0.0"), ("inf", "inf"), ("nan", "nan")])
+def test_a_read_limit_that_is_no_rate_is_refused(cache, rate, said):
+    result = subprocess.run(_command(cache, "--throttle-read-mbps", rate), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"--throttle-read-mbps must be a positive rate, got {said}" in result.stderr
 
 
 def test_a_side_that_cannot_start_is_named_and_the_other_is_stopped(cache):
