@@ -38,8 +38,8 @@ def whole_disk(path: str | os.PathLike[str]) -> str:
     return (sysfs / "dev").read_text().strip()
 
 
-def _hierarchy() -> tuple[Path, str]:
-    """(where groups are made, "v1" | "v2")."""
+def hierarchy() -> tuple[Path, str]:
+    """(where groups are made, "v1" | "v2"); ThrottleError where no controller limits reads."""
     v1 = CGROUP_ROOT / "blkio"
     if (v1 / "blkio.throttle.read_bps_device").exists():
         return v1, "v1"
@@ -55,7 +55,7 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "a read limit needs root (cgroups)"
     try:
-        _hierarchy()
+        hierarchy()
     except (ThrottleError, OSError) as error:
         return str(error)
     return None
@@ -63,17 +63,14 @@ def unavailable() -> str | None:
 
 def groups_left() -> list[Path]:
     """The groups of read limits that exist now (a benchmark's while it runs; a killed one's, stale)."""
-    return sorted(_hierarchy()[0].glob(f"{GROUP_PREFIX}*"))
+    return sorted(hierarchy()[0].glob(f"{GROUP_PREFIX}*"))
 
 
 def _remove_stale(base: Path) -> None:
     for group in base.glob(f"{GROUP_PREFIX}*"):
         pid = group.name.removeprefix(GROUP_PREFIX)
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            try:
-                group.rmdir()  # fails (EBUSY) while a process is still in it: then it stays
-            except OSError:
-                pass
+            _rmdir(group)  # fails (EBUSY) while a process is still in it: then it stays
 
 
 @dataclass
@@ -92,7 +89,7 @@ class ReadThrottle:
 
     def __enter__(self) -> ReadThrottle:
         self.device = whole_disk(self.path)
-        base, version = _hierarchy()
+        base, version = hierarchy()
         _remove_stale(base)
         home = self._current(base, version)
         group = base / f"{GROUP_PREFIX}{os.getpid()}"
@@ -159,4 +156,4 @@ def _rmdir(group: Path) -> bool:
     return True
 
 
-__all__ = ["ReadThrottle", "ThrottleError", "groups_left", "unavailable", "whole_disk"]
+__all__ = ["ReadThrottle", "ThrottleError", "groups_left", "hierarchy", "unavailable", "whole_disk"]

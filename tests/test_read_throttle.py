@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from instruments import read_throttle
-from instruments.read_throttle import GROUP_PREFIX, ReadThrottle, ThrottleError, groups_left, unavailable, whole_disk
+from instruments.read_throttle import (
+    GROUP_PREFIX,
+    ReadThrottle,
+    ThrottleError,
+    groups_left,
+    hierarchy,
+    unavailable,
+    whole_disk,
+)
 
 NEEDS_CGROUPS = pytest.mark.skipif(unavailable() is not None, reason=f"read limit unavailable: {unavailable()}")
 
@@ -53,9 +60,7 @@ def test_reads_of_a_child_go_through_the_limit_and_leaving_removes_the_group(tmp
 
 @NEEDS_CGROUPS
 def test_a_group_left_by_a_killed_benchmark_is_removed_by_the_next(tmp_path):
-    stale = read_throttle.CGROUP_ROOT / "blkio" / f"{GROUP_PREFIX}999999999"
-    if not stale.parent.is_dir():  # v2: groups sit at the top of the unified hierarchy
-        stale = read_throttle.CGROUP_ROOT / stale.name  # no such process: its benchmark is gone
+    stale = hierarchy()[0] / f"{GROUP_PREFIX}999999999"  # no such process: its benchmark is gone
     stale.mkdir()
     try:
         with ReadThrottle(tmp_path, 500_000_000):
