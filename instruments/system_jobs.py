@@ -51,7 +51,7 @@ class System:
         copy_ahead: str = "on",
         prefetch_margin: int | None = None,
         prefetch_distance: int = 1,
-        helper_scheduling: str = "normal",
+        helper_scheduling: str = "auto",
     ) -> None:
         self.store, self.name, self.telemetry, self.expert_bytes = store, name, telemetry, expert_bytes
         working = DEFAULT_EXPERT_WORKING_SLOTS if working_slots is None else working_slots

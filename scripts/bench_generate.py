@@ -144,8 +144,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument(
         "--helper-scheduling",
         choices=HELPER_SCHEDULING,
-        default="normal",
-        help="the coordinator's and I/O workers' Linux scheduling class (shared/scheduling.py)",
+        default="auto",
+        help="the coordinator's and I/O workers' Linux scheduling class or CPU (shared/scheduling.py)",
     )
     run.add_argument(
         "--pin-helpers",

@@ -91,7 +91,7 @@ class IOWorkerArgs:
     queue_depth: int = 8
     io_mode: OpenMode = "auto"
     staging: StagingRequest = "auto"
-    scheduling: str = "normal"  # shared.scheduling.HELPER_SCHEDULING
+    scheduling: str = "auto"  # shared.scheduling.HELPER_SCHEDULING
     hint_queue: int = 256
     death_fd: int | None = None
     handshake_timeout: float = 10.0
@@ -117,7 +117,7 @@ def parse_io_worker_argv(argv: Sequence[str] | None = None) -> IOWorkerArgs:
     add("--queue-depth", type=int, default=8, help="concurrent reads")
     add("--io-mode", choices=list(IO_MODES), default="auto")
     add("--staging", choices=list(STAGING_REQUESTS), default="auto", help="direct reads through huge-page buffers")
-    add("--scheduling", choices=list(HELPER_SCHEDULING), default="normal", help="Linux scheduling class")
+    add("--scheduling", choices=list(HELPER_SCHEDULING), default="auto", help="Linux scheduling class or CPU")
     add("--hint-queue", type=int, default=256, help="hint messages queued before drops")
     add("--death-fd", type=int, default=None, help="read end of the parent's death pipe")
     add("--handshake-timeout", type=float, default=10.0)

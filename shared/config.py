@@ -169,7 +169,7 @@ class RunConfig:
     copy_ahead: str = "on"  # COPY_AHEAD_MODES
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
     # The coordinator's and the I/O workers' scheduling class (shared/scheduling.py): normal | batch.
-    helper_scheduling: str = "normal"
+    helper_scheduling: str = "auto"
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
     # Sparse layers ahead a decode step's prefetch predicts (gpuworker.prediction): 1 where a layer
     # computes for longer than a prefetch takes to land; more where layers compute faster than that.

@@ -62,7 +62,7 @@ class SupervisorOptions:
     replacement: str = DEFAULT_REPLACEMENT  # the residency manager's replacement policy
     lease_path: str = "shared"  # shared.config.LEASE_PATHS
     copy_ahead: str = "on"  # shared.config.COPY_AHEAD_MODES
-    helper_scheduling: str = "normal"  # the coordinator's and I/O workers' class (shared/scheduling.py)
+    helper_scheduling: str = "auto"  # the coordinator's and I/O workers' class or CPU (shared/scheduling.py)
     # The job front door's limits (coordinator/job_limits.py); None: the model's context, or half the queue.
     max_prompt_tokens: int | None = None
     max_tokens: int | None = None
@@ -239,10 +239,11 @@ def parse_args(argv: Sequence[str] | None = None) -> SupervisorOptions:
     add(
         "--helper-scheduling",
         choices=HELPER_SCHEDULING,
-        default="normal",
-        help="Linux: batch runs the coordinator and the I/O workers as SCHED_BATCH, so that their many short "
-        "wake-ups do not preempt the GPU worker's compute threads when MLX computes on the CPU (an experiment; "
-        "README says what it measured); normal: the default class",
+        default="auto",
+        help="Linux: last-cpu puts every thread of the coordinator and the I/O workers on the last usable CPU, so "
+        "that where MLX computes on the CPU their wake-ups preempt the computation on one core only; batch runs "
+        "them as SCHED_BATCH (an experiment); normal changes nothing; auto (default): last-cpu on a Linux host "
+        "of at most 2 usable cores, else normal (README says what each measured)",
     )
     add(
         "--lease-path",

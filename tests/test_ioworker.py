@@ -182,8 +182,10 @@ def test_loads_land_exactly_and_telemetry_counts(coordinator, files, slab):
     assert telemetry.aio_reread == telemetry.aio_refused == telemetry.aio_busy == 0
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
-@pytest.mark.parametrize("scheduling", ["batch", "normal"])
+@pytest.mark.skipif(
+    not hasattr(os, "SCHED_BATCH") or len(os.sched_getaffinity(0)) < 2, reason="Linux scheduling, 2+ CPUs"
+)
+@pytest.mark.parametrize("scheduling", ["batch", "last-cpu", "normal"])
 def test_every_thread_of_a_worker_runs_in_its_scheduling_class(coordinator, scheduling):
     """Set before any thread starts, so the readers and ZeroMQ's I/O thread have it too (shared/scheduling.py)."""
     coord = coordinator(scheduling=scheduling)
@@ -194,6 +196,9 @@ def test_every_thread_of_a_worker_runs_in_its_scheduling_class(coordinator, sche
     threads = [int(tid) for tid in os.listdir(f"/proc/{coord.worker.pid}/task")]
     policy = os.SCHED_BATCH if scheduling == "batch" else os.SCHED_OTHER
     assert len(threads) > 3 and {os.sched_getscheduler(tid) for tid in threads} == {policy}
+    allowed = os.sched_getaffinity(0)
+    cpus = {max(allowed)} if scheduling == "last-cpu" else allowed
+    assert {frozenset(os.sched_getaffinity(tid)) for tid in threads} == {frozenset(cpus)}
 
 
 def test_forced_fallback_is_reported(coordinator, files, slab):

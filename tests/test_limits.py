@@ -146,7 +146,7 @@ def test_the_prediction_flags_become_run_config_fields():
     from supervisor.options import parse_args, prediction_fields
 
     base = ["--model", "/m", "--memory-budget", "1GiB"]
-    defaults = {"copy_ahead": "on", "helper_scheduling": "normal", "prefetch_distance": 1}  # RunConfig's margin
+    defaults = {"copy_ahead": "on", "helper_scheduling": "auto", "prefetch_distance": 1}  # RunConfig's margin
     assert prediction_fields(parse_args(base)) == defaults
     flags = ["--prefetch-margin", "0", "--copy-ahead", "off", "--helper-scheduling", "batch"]
     flags += ["--prefetch-distance", "3"]

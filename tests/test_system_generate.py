@@ -303,6 +303,34 @@ def test_every_replacement_policy_is_token_exact(replacement, models, caplog):
     assert max(_check_against(result, want) for result in results) <= RTOL
 
 
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs CPU affinity, 2+ CPUs"
+)
+def test_helpers_on_the_last_cpu_leave_the_gpu_worker_every_cpu_and_stay_token_exact(models, caplog):
+    """`last-cpu`: every thread of the coordinator and the I/O workers, the ones started after the
+    launch too (ZeroMQ's, the readers, the footprint's), on the last allowed CPU; the GPU worker's
+    untouched; a job with misses (the tight budget) still equals mlx-lm."""
+    caplog.set_level(logging.INFO)
+    path = models(FAMILIES[0], False)
+    store = ExpertStore.open(path)
+    want = oracle(path, PROMPT, GENERATED)
+    allowed = sorted(os.sched_getaffinity(0))
+    with _start(
+        path, run_config={"helper_scheduling": "last-cpu"}, **with_processes(store, tight_budget(store))
+    ) as system:
+        result = run_job(system, max_tokens=GENERATED)
+        cpus = {
+            role: {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
+            for role, pid in system.pids.items()
+        }
+        assert wait_for(lambda: (counts := hook_counts(caplog.records)) and counts["job"] == 1)
+    helpers = {role: cpu_sets for role, cpu_sets in cpus.items() if role != "GPU worker"}
+    assert helpers and all(cpu_sets == {(allowed[-1],)} for cpu_sets in helpers.values()), cpus
+    assert cpus["GPU worker"] == {tuple(allowed)}
+    assert _check_against(result, want) <= RTOL
+    assert any(f"every thread on CPU {allowed[-1]} of {allowed}" in r.getMessage() for r in caplog.records)
+
+
 def test_stop_removes_everything_and_the_config_is_complete(models, tmp_path):
     path = models("mixtral", False)
     store = ExpertStore.open(path)
@@ -392,7 +420,7 @@ def test_config_round_trip_and_refusals(tmp_path):
         (lambda d: d.update(compute_lanes=17), "compute_lanes must be in [1, 16]"),
         (
             lambda d: d.update(helper_scheduling="idle"),
-            "helper_scheduling must be one of ('batch', 'normal'), got 'idle'",
+            "helper_scheduling must be one of ('auto', 'batch', 'last-cpu', 'normal'), got 'idle'",
         ),
         (lambda d: d.pop("plan"), "missing field 'plan'"),  # last: the coordinator is run on it below
     ):
