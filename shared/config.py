@@ -168,7 +168,7 @@ class RunConfig:
     # computes (gpuworker/copy_ahead.py), so that only mispredicted ones are copied on its critical path.
     copy_ahead: str = "on"  # COPY_AHEAD_MODES
     io_staging: str = "auto"  # the I/O workers' huge-page staging of direct reads (native/staging.py): auto | on | off
-    # The coordinator's and the I/O workers' scheduling class (shared/scheduling.py): normal | batch.
+    # The coordinator's and the I/O workers' CPU or class (shared/scheduling.py): auto | last-cpu | batch | normal.
     helper_scheduling: str = "auto"
     prefetch_margin: int | None = None  # experts predicted beyond top-k (None: a quarter of top-k)
     # Sparse layers ahead a decode step's prefetch predicts (gpuworker.prediction): 1 where a layer

@@ -24,9 +24,11 @@ use (`auto`, the default, picks it on a Linux host of at most 2 usable cores: th
 lanes fill both, and the helpers then preempt the computation on one core only, and wake one
 another on the core they share instead of across cores). Default benchmark at 25%, bench_ab
 against `normal`, 12 rounds of 2 passes: 1.014 (pass medians 1.014, 1.018; faster in 9), lease
-and IPC wait 3.20 -> 2.32 ms a token, I/O-worker CPU 16.0 -> 14.7 ms a token. The other
-classes measured the same way moved less than the noise: SCHED_IDLE 1.006 (pass medians 1.013,
-1.006), and it starves the helpers when anything else wants the CPU.
+and IPC wait 3.20 -> 2.32 ms a token, I/O-worker CPU 16.0 -> 14.7 ms a token; deep bench shape
+1.018 (pass medians 1.024, 1.016; faster in 10). SCHED_IDLE,
+measured the same way, moved less than the noise (1.006; pass medians 1.013, 1.006), starves the
+helpers whenever anything else wants the CPU, and an unprivileged process cannot leave it: it is
+not offered.
 """
 
 from __future__ import annotations

@@ -69,11 +69,10 @@ def test_last_cpu_holds_for_every_thread_of_the_process_and_the_ones_it_starts_l
     assert _probe("last-cpu") == ("last-cpu", [os.SCHED_OTHER] * 3)  # the class stays the default
 
 
-@TWO_CPUS
 def test_last_cpu_is_the_last_of_the_allowed_ones_not_of_the_machine(monkeypatch, caplog):
     moves: list[tuple[int, set[int]]] = []
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5})
-    monkeypatch.setattr(os, "sched_setaffinity", lambda thread, cpus: moves.append((thread, set(cpus))))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda thread, cpus: moves.append((thread, set(cpus))), raising=False)
     monkeypatch.setattr(scheduling, "process_threads", lambda: [11, 12])
     with caplog.at_level(logging.INFO, logger="shared.scheduling"):
         assert enter_helper_scheduling("last-cpu") == "last-cpu"
