@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -110,18 +111,11 @@ def enter_helper_scheduling(requested: str) -> str:
     elif (batch := getattr(os, "SCHED_BATCH", None)) is None or not hasattr(os, "sched_setscheduler"):
         outcome = "normal (this platform has no SCHED_BATCH)"
     else:
-        moved: list[int] = []
-        try:
-            for thread in process_threads():
-                try:
-                    os.sched_setscheduler(thread, batch, os.sched_param(0))
-                except ProcessLookupError:  # the thread ended since it was listed
-                    continue
-                moved.append(thread)
-            outcome = "batch"
-        except OSError as error:  # e.g. a seccomp profile that forbids it
-            _restore(moved)  # all or nothing: the outcome says what every thread runs under
-            outcome = f"normal (SCHED_BATCH refused: {error})"
+        refused = _move_every_thread(
+            lambda thread: os.sched_setscheduler(thread, batch, os.sched_param(0)),
+            back=lambda thread: os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0)),
+        )
+        outcome = "batch" if refused is None else f"normal (SCHED_BATCH refused: {refused})"
     logger.log(logging.INFO if outcome == requested else logging.WARNING, "scheduling: %s", outcome)
     return outcome
 
@@ -134,31 +128,35 @@ def _enter_last_cpu() -> str:
     if len(cpus) < 2:
         return f"normal (one usable CPU: {sorted(cpus)})"
     last = max(cpus)
-    moved: list[int] = []
-    try:
-        for thread in process_threads():
-            try:
-                os.sched_setaffinity(thread, {last})
-            except ProcessLookupError:  # the thread ended since it was listed
-                continue
-            moved.append(thread)
-    except OSError as error:
-        for thread in moved:  # all or nothing, as for a class
-            try:
-                os.sched_setaffinity(thread, cpus)
-            except OSError:
-                pass
-        return f"normal (CPU affinity refused: {error})"
+    refused = _move_every_thread(
+        lambda thread: os.sched_setaffinity(thread, {last}), back=lambda thread: os.sched_setaffinity(thread, cpus)
+    )
+    if refused is not None:
+        return f"normal (CPU affinity refused: {refused})"
     logger.info("scheduling: every thread on CPU %d of %s", last, sorted(cpus))
     return "last-cpu"
 
 
-def _restore(threads: list[int]) -> None:
-    for thread in threads:
-        try:
-            os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
-        except OSError:  # ended, or refused too: nothing more to do
-            pass
+def _move_every_thread(move: Callable[[int], None], *, back: Callable[[int], None]) -> OSError | None:
+    """`move` each thread of this process; all or nothing (so that the outcome says what every
+    thread runs under): at a refusal (e.g. a seccomp profile) the ones moved go `back`, and the
+    refusal is returned. A thread that ended since it was listed is no refusal."""
+    moved: list[int] = []
+    try:
+        for thread in process_threads():
+            try:
+                move(thread)
+            except ProcessLookupError:
+                continue
+            moved.append(thread)
+    except OSError as error:
+        for thread in moved:
+            try:
+                back(thread)
+            except OSError:  # ended, or refused too: nothing more to do
+                pass
+        return error
+    return None
 
 
 def process_threads(pid: int | None = None) -> list[int]:
