@@ -3,7 +3,8 @@
 The kernel maps an O_DIRECT read onto one DMA segment per physically
 contiguous run of the destination, and a block device caps the segments of one
 request (`queue/max_segments`). A slab in POSIX shared memory lives on 4 KiB
-pages (tmpfs gets huge pages only when `shmem_enabled` allows it), so a 2.8 MiB
+pages (the tmpfs at /dev/shm gets huge pages only when mounted with `huge=always`
+or `huge=within_size`, or when `shmem_enabled` is `force`), so a 2.8 MiB
 read into a slot becomes three or more requests of about 1 MiB when the device
 allows 4 MiB ones. A disk that serves requests one after another, as a virtio
 disk behind a VMM does, moves fewer bytes per second that way (measured here:
@@ -11,9 +12,11 @@ about 1.45 GB/s with one request per read, 0.85–1.2 GB/s split). Reading into 
 per-thread buffer on transparent huge pages and copying into the slot makes each
 read one request, at the cost of one memcpy on the reader thread.
 
-`choose_staging` decides from sysfs whether that trade pays on the disk holding
-the files; `StagingBuffer` allocates the buffers and reports whether the kernel
-really backed them with huge pages.
+`choose_staging` decides from sysfs and the mount table whether that trade pays
+on the disk holding the files (`slab_gets_huge_pages`: a slab already on huge
+pages takes whole reads, and staging would only add the copy); `StagingBuffer`
+allocates the buffers and reports whether the kernel really backed them with
+huge pages.
 """
 
 from __future__ import annotations
@@ -63,6 +66,44 @@ def _setting(path: Path) -> str | None:
     return text[start + 1 : end] if 0 <= start < end else text.strip()
 
 
+SHM_DIR = "/dev/shm"  # where glibc's shm_open, and so posix_ipc, puts the slab on Linux
+
+
+def _shm_mount_huge(mountinfo: Path, directory: str) -> str | None:
+    """The `huge=` option of the mount that holds `directory` (None: not found, or none given).
+
+    The last line naming the directory wins: a later mount on the same point hides the earlier."""
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return None
+    found: str | None = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 10 or fields[4] != directory or "-" not in fields[6:]:
+            continue
+        after = fields.index("-", 6)
+        options = fields[after + 3].split(",") if len(fields) > after + 3 else []
+        found = next((option[5:] for option in options if option.startswith("huge=")), "")
+    return found or None
+
+
+def slab_gets_huge_pages(
+    *, sysfs: Path = Path("/sys"), mountinfo: Path = Path("/proc/self/mountinfo"), directory: str = SHM_DIR
+) -> tuple[bool, str]:
+    """Whether a slab created in `directory` (a tmpfs) gets transparent huge pages, and why.
+
+    `shmem_enabled` governs the kernel's internal shmem mount (SysV, memfd, shared anonymous
+    maps), not a tmpfs mount such as /dev/shm, except its `deny` and `force`; a tmpfs mount's
+    own `huge=` option decides. `advise` needs an madvise before the pages are touched, which a
+    slab allocated by fallocate never gets, so it counts as no."""
+    shmem = _setting(sysfs / "kernel" / "mm" / "transparent_hugepage" / "shmem_enabled")
+    if shmem in ("deny", "force"):
+        return shmem == "force", f"shmem_enabled={shmem}"
+    huge = _shm_mount_huge(mountinfo, directory)
+    return huge in ("always", "within_size"), f"{directory} mounted with huge={huge or 'never'}"
+
+
 def _queue_limits(path: str, sysfs: Path) -> tuple[int, int] | None:
     """(max_segments, max request bytes) of the block device holding `path`."""
     segments = queue_setting(path, "max_segments", sysfs=sysfs)
@@ -76,13 +117,14 @@ def choose_staging(
     largest_read: int,
     requested: StagingRequest = "auto",
     sysfs: Path = Path("/sys"),
+    mountinfo: Path = Path("/proc/self/mountinfo"),
     platform: str = sys.platform,
 ) -> StagingChoice:
     """Decide staging for direct reads of `paths` of up to `largest_read` bytes.
 
-    `auto` stages only on Linux, with anonymous transparent huge pages
-    available, a slab that cannot get huge pages itself, and a device whose
-    segment limit (not its request size limit) is what splits such a read.
+    `auto` stages only on Linux, for a slab that does not get huge pages itself
+    (`slab_gets_huge_pages`), with anonymous transparent huge pages available, and a
+    device whose segment limit (not its request size limit) is what splits such a read.
     `on` stages every direct read (tests, experiments); `off` never does."""
     if requested not in STAGING_REQUESTS:
         raise ValueError(f"staging must be one of {STAGING_REQUESTS}, got {requested!r}")
@@ -95,12 +137,12 @@ def choose_staging(
         return StagingChoice(True, "staging on by request", stride, 0)
     if not platform.startswith("linux"):
         return StagingChoice(False, f"no O_DIRECT request splitting to avoid on {platform}")
-    thp = sysfs / "kernel" / "mm" / "transparent_hugepage"
-    anon, shmem = _setting(thp / "enabled"), _setting(thp / "shmem_enabled")
+    huge, why = slab_gets_huge_pages(sysfs=sysfs, mountinfo=mountinfo)
+    if huge:
+        return StagingChoice(False, f"the slab gets huge pages itself ({why})")
+    anon = _setting(sysfs / "kernel" / "mm" / "transparent_hugepage" / "enabled")
     if anon not in ("always", "madvise"):
         return StagingChoice(False, f"anonymous transparent huge pages unavailable (enabled={anon})")
-    if shmem not in ("never", "deny"):
-        return StagingChoice(False, f"the slab may get huge pages itself (shmem_enabled={shmem})")
     limits = [(path, _queue_limits(path, sysfs)) for path in paths]
     unknown = [path for path, limit in limits if limit is None]
     if unknown:

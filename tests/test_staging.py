@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import native
 from native import BypassFile, ReadPool
-from native.staging import HUGE_PAGE, StagingBuffer, StagingChoice, choose_staging
+from native.staging import HUGE_PAGE, StagingBuffer, StagingChoice, choose_staging, slab_gets_huge_pages
 
 BLOCK = native.DEFAULT_BLOCK_SIZE
 SIZE = 6 << 20  # larger than one 2 MiB stride, so long reads go in pieces
@@ -175,12 +175,25 @@ def fake_sysfs(
 
 
 EXPERT = 2_936_832
+SHM_LINE = "30 25 0:27 / /dev/shm rw,relatime shared:2 - tmpfs tmpfs rw,size=24683772k{huge}"
+
+
+def fake_mountinfo(root: Path, *hugeness: str | None) -> Path:
+    """A mountinfo with one /dev/shm mount per entry of `hugeness` (its huge= option, None: none),
+    each on top of the one before, between unrelated mounts."""
+    lines = ["22 1 254:1 / / rw,relatime - ext4 /dev/vda1 rw,huge=always"]
+    lines += [SHM_LINE.format(huge="" if huge is None else f",huge={huge}") for huge in hugeness]
+    lines.append("40 22 0:30 / /dev/shm/inner rw - tmpfs tmpfs rw,huge=always")
+    path = root / "mountinfo"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @pytest.mark.parametrize("partition", [False, True])
 def test_auto_stages_where_the_segment_limit_splits_reads(tmp_path, disk_file, partition):
     sysfs = fake_sysfs(tmp_path / "sys", disk_file, partition=partition)
-    choice = choose_staging([str(disk_file)], largest_read=EXPERT, sysfs=sysfs, platform="linux")
+    mounts = fake_mountinfo(tmp_path, None)
+    choice = choose_staging([str(disk_file)], largest_read=EXPERT, sysfs=sysfs, mountinfo=mounts, platform="linux")
     assert choice == StagingChoice(True, choice.reason, 4 << 20, 254 * 4096)
     assert "segment limit" in choice.reason
 
@@ -189,7 +202,7 @@ def test_auto_stages_where_the_segment_limit_splits_reads(tmp_path, disk_file, p
     ("options", "largest", "fragment"),
     [
         (dict(anon="always madvise [never]"), EXPERT, "enabled=never"),
-        (dict(shmem="always within_size [advise] never deny force"), EXPERT, "shmem_enabled=advise"),
+        (dict(shmem="always within_size advise never deny [force]"), EXPERT, "shmem_enabled=force"),
         (dict(segments=1024), EXPERT, "not split by the segment limit"),
         (dict(sectors_kb=512), EXPERT, "not split by the segment limit"),
         ({}, 512 << 10, "not split by the segment limit"),
@@ -197,8 +210,61 @@ def test_auto_stages_where_the_segment_limit_splits_reads(tmp_path, disk_file, p
 )
 def test_auto_leaves_staging_off_where_it_cannot_pay(tmp_path, disk_file, options, largest, fragment):
     sysfs = fake_sysfs(tmp_path / "sys", disk_file, **options)
-    choice = choose_staging([str(disk_file)], largest_read=largest, sysfs=sysfs, platform="linux")
+    mounts = fake_mountinfo(tmp_path, None)
+    choice = choose_staging([str(disk_file)], largest_read=largest, sysfs=sysfs, mountinfo=mounts, platform="linux")
     assert not choice.enabled and fragment in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("shmem", "mounts", "huge", "fragment"),
+    [
+        # shmem_enabled governs the kernel's internal shmem mount, not /dev/shm (measured here:
+        # within_size and always there gave a prefaulted slab no huge page; huge=within_size on the
+        # mount did): before, a non-never setting turned staging off and left the reads split.
+        ("always within_size [advise] never deny force", [None], False, "/dev/shm mounted with huge=never"),
+        ("[always] within_size advise never deny force", [None], False, "huge=never"),
+        (SHMEM_NEVER, ["within_size"], True, "/dev/shm mounted with huge=within_size"),
+        (SHMEM_NEVER, ["always"], True, "huge=always"),
+        (SHMEM_NEVER, ["advise"], False, "huge=advise"),  # fallocate never madvises: small pages
+        (SHMEM_NEVER, ["always", None], False, "huge=never"),  # the later mount hides the earlier
+        (SHMEM_NEVER, [None, "within_size"], True, "huge=within_size"),
+        (SHMEM_NEVER, [], False, "huge=never"),  # no /dev/shm mount found
+        ("always within_size advise never [deny] force", ["always"], False, "shmem_enabled=deny"),
+        ("always within_size advise never deny [force]", [None], True, "shmem_enabled=force"),
+    ],
+)
+def test_the_slab_gets_huge_pages_by_its_mount(tmp_path, disk_file, shmem, mounts, huge, fragment):
+    sysfs = fake_sysfs(tmp_path / "sys", disk_file, shmem=shmem)
+    mountinfo = fake_mountinfo(tmp_path, *mounts)
+    got, why = slab_gets_huge_pages(sysfs=sysfs, mountinfo=mountinfo)
+    assert (got, fragment in why) == (huge, True), why
+    choice = choose_staging([str(disk_file)], largest_read=EXPERT, sysfs=sysfs, mountinfo=mountinfo, platform="linux")
+    assert choice.enabled is not huge  # a slab on huge pages takes whole reads: no staging copy
+    assert (fragment in choice.reason) is huge, choice.reason
+
+
+def test_the_slab_mount_read_here_matches_the_kernel(tmp_path):
+    """On this host: a slab made in /dev/shm is on huge pages exactly when slab_gets_huge_pages says so."""
+    if not Path("/proc/self/mountinfo").exists():
+        pytest.skip("no /proc/self/mountinfo (not Linux)")
+    from shared.slab import Slab
+
+    def shmem_huge_bytes() -> int:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("ShmemHugePages:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    huge, why = slab_gets_huge_pages()
+    before = shmem_huge_bytes()
+    slab = Slab.create(total_slots=8, slot_bytes=HUGE_PAGE, prefault=True)
+    try:
+        grew = shmem_huge_bytes() - before
+    finally:
+        slab.close()
+        slab.unlink()
+    # Another process may make or drop huge shmem meanwhile: only the direction is asserted.
+    assert (grew >= 4 * HUGE_PAGE) is huge, (why, grew)
 
 
 def test_requests_and_platforms(tmp_path, disk_file):
