@@ -69,27 +69,23 @@ def _setting(path: Path) -> str | None:
 SHM_DIR = "/dev/shm"  # where glibc's shm_open, and so posix_ipc, puts the slab on Linux
 
 
-def _shm_mount_huge(mountinfo: Path, directory: str) -> str | None:
-    """The `huge=` option of the mount that holds `directory` (None: not found, or none given).
+def _shm_mount_huge(mounts: Path, directory: str) -> str | None:
+    """The `huge=` option of the mount at `directory` (None: no such mount, or none given).
 
     The last line naming the directory wins: a later mount on the same point hides the earlier."""
     try:
-        lines = mountinfo.read_text().splitlines()
+        lines = mounts.read_text().splitlines()
     except OSError:
         return None
     found: str | None = None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 10 or fields[4] != directory or "-" not in fields[6:]:
-            continue
-        after = fields.index("-", 6)
-        options = fields[after + 3].split(",") if len(fields) > after + 3 else []
-        found = next((option[5:] for option in options if option.startswith("huge=")), "")
+    for fields in (line.split() for line in lines):
+        if len(fields) >= 4 and fields[1] == directory:  # device, point, type, options, ...
+            found = next((option[5:] for option in fields[3].split(",") if option.startswith("huge=")), "")
     return found or None
 
 
 def slab_gets_huge_pages(
-    *, sysfs: Path = Path("/sys"), mountinfo: Path = Path("/proc/self/mountinfo"), directory: str = SHM_DIR
+    *, sysfs: Path = Path("/sys"), mounts: Path = Path("/proc/self/mounts"), directory: str = SHM_DIR
 ) -> tuple[bool, str]:
     """Whether a slab created in `directory` (a tmpfs) gets transparent huge pages, and why.
 
@@ -100,7 +96,7 @@ def slab_gets_huge_pages(
     shmem = _setting(sysfs / "kernel" / "mm" / "transparent_hugepage" / "shmem_enabled")
     if shmem in ("deny", "force"):
         return shmem == "force", f"shmem_enabled={shmem}"
-    huge = _shm_mount_huge(mountinfo, directory)
+    huge = _shm_mount_huge(mounts, directory)
     return huge in ("always", "within_size"), f"{directory} mounted with huge={huge or 'never'}"
 
 
@@ -117,7 +113,7 @@ def choose_staging(
     largest_read: int,
     requested: StagingRequest = "auto",
     sysfs: Path = Path("/sys"),
-    mountinfo: Path = Path("/proc/self/mountinfo"),
+    mounts: Path = Path("/proc/self/mounts"),
     platform: str = sys.platform,
 ) -> StagingChoice:
     """Decide staging for direct reads of `paths` of up to `largest_read` bytes.
@@ -137,7 +133,7 @@ def choose_staging(
         return StagingChoice(True, "staging on by request", stride, 0)
     if not platform.startswith("linux"):
         return StagingChoice(False, f"no O_DIRECT request splitting to avoid on {platform}")
-    huge, why = slab_gets_huge_pages(sysfs=sysfs, mountinfo=mountinfo)
+    huge, why = slab_gets_huge_pages(sysfs=sysfs, mounts=mounts)
     if huge:
         return StagingChoice(False, f"the slab gets huge pages itself ({why})")
     anon = _setting(sysfs / "kernel" / "mm" / "transparent_hugepage" / "enabled")

@@ -175,16 +175,16 @@ def fake_sysfs(
 
 
 EXPERT = 2_936_832
-SHM_LINE = "30 25 0:27 / /dev/shm rw,relatime shared:2 - tmpfs tmpfs rw,size=24683772k{huge}"
+SHM_LINE = "tmpfs /dev/shm tmpfs rw,relatime,size=24683772k{huge} 0 0"
 
 
-def fake_mountinfo(root: Path, *hugeness: str | None) -> Path:
-    """A mountinfo with one /dev/shm mount per entry of `hugeness` (its huge= option, None: none),
+def fake_mounts(root: Path, *hugeness: str | None) -> Path:
+    """A mount table with one /dev/shm mount per entry of `hugeness` (its huge= option, None: none),
     each on top of the one before, between unrelated mounts."""
-    lines = ["22 1 254:1 / / rw,relatime - ext4 /dev/vda1 rw,huge=always"]
+    lines = ["/dev/vda1 / ext4 rw,relatime,huge=always 0 0"]
     lines += [SHM_LINE.format(huge="" if huge is None else f",huge={huge}") for huge in hugeness]
-    lines.append("40 22 0:30 / /dev/shm/inner rw - tmpfs tmpfs rw,huge=always")
-    path = root / "mountinfo"
+    lines.append("tmpfs /dev/shm/inner tmpfs rw,huge=always 0 0")
+    path = root / "mounts"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -192,8 +192,8 @@ def fake_mountinfo(root: Path, *hugeness: str | None) -> Path:
 @pytest.mark.parametrize("partition", [False, True])
 def test_auto_stages_where_the_segment_limit_splits_reads(tmp_path, disk_file, partition):
     sysfs = fake_sysfs(tmp_path / "sys", disk_file, partition=partition)
-    mounts = fake_mountinfo(tmp_path, None)
-    choice = choose_staging([str(disk_file)], largest_read=EXPERT, sysfs=sysfs, mountinfo=mounts, platform="linux")
+    mounts = fake_mounts(tmp_path, None)
+    choice = choose_staging([str(disk_file)], largest_read=EXPERT, sysfs=sysfs, mounts=mounts, platform="linux")
     assert choice == StagingChoice(True, choice.reason, 4 << 20, 254 * 4096)
     assert "segment limit" in choice.reason
 
@@ -210,8 +210,8 @@ def test_auto_stages_where_the_segment_limit_splits_reads(tmp_path, disk_file, p
 )
 def test_auto_leaves_staging_off_where_it_cannot_pay(tmp_path, disk_file, options, largest, fragment):
     sysfs = fake_sysfs(tmp_path / "sys", disk_file, **options)
-    mounts = fake_mountinfo(tmp_path, None)
-    choice = choose_staging([str(disk_file)], largest_read=largest, sysfs=sysfs, mountinfo=mounts, platform="linux")
+    mounts = fake_mounts(tmp_path, None)
+    choice = choose_staging([str(disk_file)], largest_read=largest, sysfs=sysfs, mounts=mounts, platform="linux")
     assert not choice.enabled and fragment in choice.reason
 
 
@@ -235,18 +235,18 @@ def test_auto_leaves_staging_off_where_it_cannot_pay(tmp_path, disk_file, option
 )
 def test_the_slab_gets_huge_pages_by_its_mount(tmp_path, disk_file, shmem, mounts, huge, fragment):
     sysfs = fake_sysfs(tmp_path / "sys", disk_file, shmem=shmem)
-    mountinfo = fake_mountinfo(tmp_path, *mounts)
-    got, why = slab_gets_huge_pages(sysfs=sysfs, mountinfo=mountinfo)
+    table = fake_mounts(tmp_path, *mounts)
+    got, why = slab_gets_huge_pages(sysfs=sysfs, mounts=table)
     assert (got, fragment in why) == (huge, True), why
-    choice = choose_staging([str(disk_file)], largest_read=EXPERT, sysfs=sysfs, mountinfo=mountinfo, platform="linux")
+    choice = choose_staging([str(disk_file)], largest_read=EXPERT, sysfs=sysfs, mounts=table, platform="linux")
     assert choice.enabled is not huge  # a slab on huge pages takes whole reads: no staging copy
     assert (fragment in choice.reason) is huge, choice.reason
 
 
 def test_the_slab_mount_read_here_matches_the_kernel(tmp_path):
     """On this host: a slab made in /dev/shm is on huge pages exactly when slab_gets_huge_pages says so."""
-    if not Path("/proc/self/mountinfo").exists():
-        pytest.skip("no /proc/self/mountinfo (not Linux)")
+    if not Path("/proc/self/mounts").exists():
+        pytest.skip("no /proc/self/mounts (not Linux)")
     from shared.slab import Slab
 
     def shmem_huge_bytes() -> int:
