@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 HELPER_SCHEDULING = ("auto", "batch", "last-cpu", "normal")
 
-# Auto picks one I/O worker on a host of at most this many usable cores (`resolve_io_workers`).
-SINGLE_IO_WORKER_CORES = 2
+# A host of at most this many usable cores is one the computation fills (two compute lanes on a CPU
+# backend): auto then picks one I/O worker (`resolve_io_workers`) and last-cpu (`resolve_helper_scheduling`).
+FILLED_BY_COMPUTE_CORES = 2
 
 
 def available_cores() -> int:
@@ -56,7 +57,7 @@ def available_cores() -> int:
 
 def resolve_io_workers(requested: int | None, *, cores: int | None = None) -> tuple[int, str]:
     """(I/O worker processes, why): `requested` when given, else auto: one on a host of at most
-    SINGLE_IO_WORKER_CORES usable cores (`cores`, default `available_cores()`), two otherwise.
+    FILLED_BY_COMPUTE_CORES usable cores (`cores`, default `available_cores()`), two otherwise.
 
     Two let a hung or dead worker's loads go to the other at once while it is replaced; with one
     they wait for the restarted worker (the backend's replacement grace). On a 2-core host the
@@ -70,7 +71,7 @@ def resolve_io_workers(requested: int | None, *, cores: int | None = None) -> tu
             raise ValueError(f"io_workers must be a positive integer or None (auto), got {requested!r}")
         return requested, "requested"
     cores = available_cores() if cores is None else cores
-    if cores <= SINGLE_IO_WORKER_CORES:
+    if cores <= FILLED_BY_COMPUTE_CORES:
         return 1, f"auto: {cores} usable cores, which the computation fills"
     return 2, f"auto: {cores} usable cores"
 
@@ -79,7 +80,7 @@ def resolve_helper_scheduling(
     requested: str, *, cores: int | None = None, platform: str | None = None
 ) -> tuple[str, str]:
     """(what the helpers run under, why): `requested` unless it is `auto`, which is `last-cpu` on a
-    Linux host of at most SINGLE_IO_WORKER_CORES usable cores (`cores`, default `available_cores()`)
+    Linux host of at most FILLED_BY_COMPUTE_CORES usable cores (`cores`, default `available_cores()`)
     and `normal` elsewhere (more cores leave the helpers some; macOS has no CPU affinity)."""
     if requested not in HELPER_SCHEDULING:
         raise ValueError(f"helper scheduling must be one of {HELPER_SCHEDULING}, got {requested!r}")
@@ -87,7 +88,7 @@ def resolve_helper_scheduling(
         return requested, "requested"
     cores = available_cores() if cores is None else cores
     platform = sys.platform if platform is None else platform
-    if platform.startswith("linux") and cores <= SINGLE_IO_WORKER_CORES:
+    if platform.startswith("linux") and cores <= FILLED_BY_COMPUTE_CORES:
         return "last-cpu", f"auto: {cores} usable cores, which the computation fills"
     return "normal", f"auto: {cores} usable cores on {platform}"
 
@@ -171,8 +172,8 @@ def process_threads(pid: int | None = None) -> list[int]:
 
 
 __all__ = [
+    "FILLED_BY_COMPUTE_CORES",
     "HELPER_SCHEDULING",
-    "SINGLE_IO_WORKER_CORES",
     "available_cores",
     "enter_helper_scheduling",
     "process_threads",
