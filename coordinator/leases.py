@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.metered_backend import LoadTimer
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ExpertBatchLease
 from shared.gpu_messages import Fence, Fenced, Lease, Prefetch, Routes, Visited
@@ -99,9 +100,15 @@ class LeaseService:
     """Serves one GPU worker's lease protocol over an ExpertResidencyManager."""
 
     def __init__(
-        self, *, manager: ExpertResidencyManager, experts_per_layer: int, working_slots: int | None = None
+        self,
+        *,
+        manager: ExpertResidencyManager,
+        experts_per_layer: int,
+        working_slots: int | None = None,
+        timer: LoadTimer | None = None,
     ) -> None:
         self._manager = manager
+        self._timer = timer  # told each wave's phase, so that decode's load timings stand apart
         self._experts = int(experts_per_layer)
         self._working = int(working_slots if working_slots is not None else manager.plan.working_slots)
         self._sparse = frozenset(manager.sparse_layer_ids)
@@ -385,6 +392,8 @@ class LeaseService:
 
     async def _acquire(self, visit: _Visit, wave: int) -> Lease:
         ids = visit.waves[wave].expert_ids
+        if self._timer is not None:
+            self._timer.decode = visit.decode
         try:
             lease = await self._manager.acquire_block(visit.layer, ids)
         except Exception as error:  # the manager has undone the acquire; the visit is over

@@ -19,10 +19,24 @@ import logging
 import mmap
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from shared.slab import Slab
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSamples:
+    """A job's load timings in milliseconds: every demand load's disk service and every wave's
+    foreground wait, and of them the decode steps' (`decode_*`: waves of one-row visits). A
+    prompt's misses come at once and queue behind one another, so a job's figures over all its
+    loads say what its prefill cost; the decode ones say what a miss costs a token."""
+
+    disk: tuple[float, ...] = ()
+    wait: tuple[float, ...] = ()
+    decode_disk: tuple[float, ...] = ()
+    decode_wait: tuple[float, ...] = ()
 
 
 class LoadTimer:
@@ -32,16 +46,18 @@ class LoadTimer:
     is the loads submitted since the previous wave ended, and its foreground
     wait runs from the first `wait` on one of them to the end of the last.
     Samples accumulate until `take()`; waves are serial, so they never mix.
+    `decode` is the phase of the waves submitted from now on, which the lease
+    service sets before each wave it acquires.
     """
 
     def __init__(self) -> None:
-        self._submitted: dict[tuple[int, int], float] = {}  # loads of the current wave not yet ended
+        self._submitted: dict[tuple[int, int], tuple[float, bool]] = {}  # the current wave's loads not yet ended
         self._wave_started: float | None = None
-        self.disk_ms: list[float] = []
-        self.wait_ms: list[float] = []
+        self.decode = False
+        self._samples: tuple[list[float], ...] = ([], [], [], [])  # LoadSamples' fields, in order
 
     def submitted(self, slot: int, generation: int) -> None:
-        self._submitted[(slot, generation)] = time.perf_counter()
+        self._submitted[(slot, generation)] = (time.perf_counter(), self.decode)
 
     def wait_started(self) -> None:
         if self._wave_started is None and self._submitted:
@@ -52,21 +68,27 @@ class LoadTimer:
         started = self._submitted.pop((slot, generation), None)
         if started is None:  # a second waiter, or a load of no wave: nothing to time
             return
-        self.disk_ms.append((now - started) * 1e3)
+        disk, wait, decode_disk, decode_wait = self._samples
+        submitted, decode = started
+        disk.append((now - submitted) * 1e3)
+        if decode:
+            decode_disk.append(disk[-1])
         if not self._submitted and self._wave_started is not None:
-            self.wait_ms.append((now - self._wave_started) * 1e3)
+            wait.append((now - self._wave_started) * 1e3)
+            if decode:  # the wave's last load: the wave's phase
+                decode_wait.append(wait[-1])
             self._wave_started = None
 
     def forget(self, slot: int, generation: int) -> None:
         """A load that will never be waited for (its slot was discarded)."""
         self._submitted.pop((slot, generation), None)
 
-    def take(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """The samples since the last take (disk service, foreground wait), in milliseconds."""
-        disk, wait = tuple(self.disk_ms), tuple(self.wait_ms)
-        self.disk_ms.clear()
-        self.wait_ms.clear()
-        return disk, wait
+    def take(self) -> LoadSamples:
+        """The samples since the last take."""
+        taken = LoadSamples(*(tuple(samples) for samples in self._samples))
+        for samples in self._samples:
+            samples.clear()
+        return taken
 
 
 class MeteredBackend:
@@ -140,4 +162,4 @@ class MeteredBackend:
         self.released_bytes += max(0, before - self._slab.resident_bytes())
 
 
-__all__ = ["LoadTimer", "MeteredBackend"]
+__all__ = ["LoadSamples", "LoadTimer", "MeteredBackend"]

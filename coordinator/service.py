@@ -131,7 +131,7 @@ class Coordinator:
             replacement=config.replacement,
         )
         self.publisher.attach(self.manager)
-        self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer)
+        self.leases = LeaseService(manager=self.manager, experts_per_layer=store.experts_per_layer, timer=self.timer)
         self.sizing = SlabSizing(config, self.meter, self.manager)
         self.safepoints = SafePoints(
             manager=self.manager,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from coordinator.footprint import FootprintMeter
 from coordinator.leases import LeaseService, LeaseServiceStats
-from coordinator.metered_backend import LoadTimer
+from coordinator.metered_backend import LoadSamples, LoadTimer
 from coordinator.prefetch import PrefetchTelemetry
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ExpertHintTelemetry, ExpertResidencySnapshot, nearest_rank
@@ -72,8 +72,7 @@ class JobFigures:
     before: ExpertResidencySnapshot  # the manager at the previous job's end
     after: ExpertResidencySnapshot  # ... and at this job's end
     hints: ExpertHintTelemetry | None
-    disk_ms: tuple[float, ...]
-    wait_ms: tuple[float, ...]
+    loads: LoadSamples
     wrap_path: str
     footprint: int
     peak_footprint: int
@@ -92,7 +91,8 @@ def _rate(count: int, milliseconds: float) -> float:
 def job_stats(job: JobFigures) -> JobStats:
     """The `JobStats` of one job."""
     done, lease = job.done, job.lease
-    disk, wait = sorted(job.disk_ms), sorted(job.wait_ms)
+    disk, wait = sorted(job.loads.disk), sorted(job.loads.wait)
+    decode_disk, decode_wait = sorted(job.loads.decode_disk), sorted(job.loads.decode_wait)
     served = lease.hits + lease.misses
     hints = job.hints
     return JobStats(
@@ -110,6 +110,10 @@ def job_stats(job: JobFigures) -> JobStats:
         disk_p99_ms=nearest_rank(disk, 0.99),
         wait_p50_ms=nearest_rank(wait, 0.5),
         wait_p99_ms=nearest_rank(wait, 0.99),
+        decode_disk_p50_ms=nearest_rank(decode_disk, 0.5),
+        decode_disk_p99_ms=nearest_rank(decode_disk, 0.99),
+        decode_wait_p50_ms=nearest_rank(decode_wait, 0.5),
+        decode_wait_p99_ms=nearest_rank(decode_wait, 0.99),
         evictions=job.after.evictions - job.before.evictions,
         pressure_evictions=job.after.pressure_evictions - job.before.pressure_evictions,
         repin_swaps=job.after.repin_swaps - job.before.repin_swaps,
@@ -177,6 +181,8 @@ class _Sums:
     prefetch: PrefetchTelemetry = field(default_factory=PrefetchTelemetry)
     disk: Reservoir = field(default_factory=lambda: Reservoir(seed=1))
     wait: Reservoir = field(default_factory=lambda: Reservoir(seed=2))
+    decode_disk: Reservoir = field(default_factory=lambda: Reservoir(seed=3))
+    decode_wait: Reservoir = field(default_factory=lambda: Reservoir(seed=4))
 
 
 class RunTotals:
@@ -218,8 +224,10 @@ class RunTotals:
             sums.hints_skipped += job.hints.resident_skipped
         sums.io_fallback_ops += job.io_fallback_ops
         sums.prefetch = sums.prefetch + job.prefetch
-        sums.disk.extend(job.disk_ms)
-        sums.wait.extend(job.wait_ms)
+        sums.disk.extend(job.loads.disk)
+        sums.wait.extend(job.loads.wait)
+        sums.decode_disk.extend(job.loads.decode_disk)
+        sums.decode_wait.extend(job.loads.decode_wait)
 
     def add_between_jobs(self, prefetch: PrefetchTelemetry) -> None:
         self._sums.prefetch = self._sums.prefetch + prefetch
@@ -230,6 +238,8 @@ class RunTotals:
         served = sums.hits + sums.misses
         disk_p50, disk_p99 = sums.disk.percentiles(0.5, 0.99)
         wait_p50, wait_p99 = sums.wait.percentiles(0.5, 0.99)
+        decode_disk_p50, decode_disk_p99 = sums.decode_disk.percentiles(0.5, 0.99)
+        decode_wait_p50, decode_wait_p99 = sums.decode_wait.percentiles(0.5, 0.99)
         return JobStats(
             prompt_tokens=sums.prompt,
             generated_tokens=sums.generated,
@@ -245,6 +255,10 @@ class RunTotals:
             disk_p99_ms=disk_p99,
             wait_p50_ms=wait_p50,
             wait_p99_ms=wait_p99,
+            decode_disk_p50_ms=decode_disk_p50,
+            decode_disk_p99_ms=decode_disk_p99,
+            decode_wait_p50_ms=decode_wait_p50,
+            decode_wait_p99_ms=decode_wait_p99,
             evictions=now.evictions,
             pressure_evictions=now.pressure_evictions,
             repin_swaps=now.repin_swaps,
@@ -287,7 +301,7 @@ class JobBook:
         """The job's `JobStats`; the job also goes into the run's totals."""
         lease = self._leases.end_job()
         self._meter.sample(force=True)  # the job's last figure (a safe point: the worker has fenced)
-        disk, wait = self._timer.take()
+        loads = self._timer.take()
         after = self._manager.snapshot()
         figures = JobFigures(
             lease=lease,
@@ -296,8 +310,7 @@ class JobBook:
             before=self._before,
             after=after,
             hints=self._manager.drain_hint_telemetry(),
-            disk_ms=disk,
-            wait_ms=wait,
+            loads=loads,
             wrap_path=wrap_path,
             footprint=self._meter.footprint(),
             peak_footprint=self._meter.job_peak,

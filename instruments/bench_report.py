@@ -218,7 +218,9 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"  hit rate {s['hit_rate']:.3f}, misses per job {s['misses_per_job']}, "
             f"{s.get('misses_per_token', 0):.2f} misses = {s.get('miss_bytes_per_token', 0) / MB:.2f} MB per decode "
-            f"token; I/O workers' disk p50/p99 {s['disk_p50_ms']:.2f}/{s['disk_p99_ms']:.2f} ms"
+            f"token; I/O workers' disk p50/p99 {s['disk_p50_ms']:.2f}/{s['disk_p99_ms']:.2f} ms, "
+            f"decode's {s.get('decode_disk_p50_ms', 0):.2f}/{s.get('decode_disk_p99_ms', 0):.2f} ms "
+            f"(its waves' wait {s.get('decode_wait_p50_ms', 0):.2f}/{s.get('decode_wait_p99_ms', 0):.2f} ms)"
         )
         lines.append(
             f"  per layer visit: IPC wait {s.get('ipc_wait_ms_per_layer', 0):.3f} ms"

@@ -28,6 +28,11 @@ from shared.plan import DEFAULT_EXPERT_WORKING_SLOTS
 from supervisor.budget import DEFAULT_KV_RESERVE_BYTES, PROCESS_ALLOWANCE_BYTES
 from supervisor.system import start_system
 
+# The coordinator's load timings a job reports (JobStats): over every demand load, and decode's own.
+LOAD_TIMING_KEYS = tuple(
+    f"{phase}{what}_p{p}_ms" for phase in ("", "decode_") for what in ("disk", "wait") for p in (50, 99)
+)
+
 
 class System:
     """One started system (`supervisor.system.start_system`) with `slots_per_layer` resident slots."""
@@ -135,10 +140,7 @@ class System:
             "misses": stats.misses,
             "hit_rate": stats.hit_rate,
             "bytes_read": stats.bytes_read,
-            "disk_p50_ms": stats.disk_p50_ms,
-            "disk_p99_ms": stats.disk_p99_ms,
-            "wait_p50_ms": stats.wait_p50_ms,
-            "wait_p99_ms": stats.wait_p99_ms,
+            **{key: getattr(stats, key) for key in LOAD_TIMING_KEYS},
             "bytes_copied": stats.bytes_copied,
             "wrap_path": stats.wrap_path,
             "evictions": stats.evictions,
@@ -176,10 +178,7 @@ class System:
             "decode_tok_s_runs": [job["decode_tok_s"] for job in measured],
             "misses_per_job": [job["misses"] for job in measured],
             "hit_rate": median([job["hit_rate"] for job in measured]),
-            "disk_p50_ms": median([job["disk_p50_ms"] for job in measured]),
-            "disk_p99_ms": median([job["disk_p99_ms"] for job in measured]),
-            "wait_p50_ms": median([job["wait_p50_ms"] for job in measured]),
-            "wait_p99_ms": median([job["wait_p99_ms"] for job in measured]),
+            **{key: median([job[key] for job in measured]) for key in LOAD_TIMING_KEYS},
             **{
                 key: {role: median([job[key][role] for job in measured]) for role in CPU_ROLES}
                 for key in ("cpu_ms_per_token", "decode_cpu_ms_per_token")

@@ -124,6 +124,12 @@ class JobStats:
     disk_p99_ms: float = 0.0
     wait_p50_ms: float = 0.0
     wait_p99_ms: float = 0.0
+    # The same over decode steps' loads only (one-row visits); the figures above include a
+    # prompt's loads, which come at once and queue behind one another.
+    decode_disk_p50_ms: float = 0.0
+    decode_disk_p99_ms: float = 0.0
+    decode_wait_p50_ms: float = 0.0
+    decode_wait_p99_ms: float = 0.0
     evictions: int = 0
     pressure_evictions: int = 0
     repin_swaps: int = 0

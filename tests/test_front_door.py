@@ -95,6 +95,10 @@ def test_cumulative_stats_add_up_over_two_jobs(system):
             "disk_p99_ms",
             "wait_p50_ms",
             "wait_p99_ms",
+            "decode_disk_p50_ms",
+            "decode_disk_p99_ms",
+            "decode_wait_p50_ms",
+            "decode_wait_p99_ms",
         ):
             assert _between(getattr(total, name), getattr(first, name), getattr(second, name)), name
         decode_ms = first.generated_tokens / first.decode_tok_s + second.generated_tokens / second.decode_tok_s

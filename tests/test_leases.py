@@ -14,6 +14,7 @@ from coordinator import leases as leases_module
 from coordinator.fence_checks import SCRIBBLE, FenceCheckedBackend, with_fence_checks
 from coordinator.leases import LOAD_FAILED, LeaseService
 from coordinator.memory_backend import InMemoryBackend
+from coordinator.metered_backend import LoadTimer, MeteredBackend
 from coordinator.prefetch import PrefetchBook, PrefetchTelemetry
 from coordinator.prefetch_trial import StepTrial
 from coordinator.residency import ExpertResidencyManager
@@ -36,7 +37,7 @@ def locate(layer: int, expert: int) -> ExpertResidencyLocation:
     )
 
 
-def make(*, working=2, per_layer=1, backend=None, usage=None, prefetch="off", book=None):
+def make(*, working=2, per_layer=1, backend=None, usage=None, prefetch="off", book=None, timer=None):
     plan = plan_expert_residency(
         budget_bytes=10**9,
         fixed_bytes=0,
@@ -54,7 +55,7 @@ def make(*, working=2, per_layer=1, backend=None, usage=None, prefetch="off", bo
         usage=usage,
         prefetch=book if book is not None else PrefetchBook(mode=prefetch),
     )
-    return LeaseService(manager=manager, experts_per_layer=EXPERTS), manager, backend
+    return LeaseService(manager=manager, experts_per_layer=EXPERTS, timer=timer), manager, backend
 
 
 def routes(layer, rows, fence=None) -> Routes:
@@ -235,6 +236,31 @@ async def test_job_stats():
     # the next job starts from zero
     service.begin_job()
     assert service.end_job().visits == 0
+
+
+@run_async
+async def test_decode_waves_load_timings_stand_apart_from_the_prompts():
+    """The service tells the timer each wave's phase: a prompt's loads (several route rows) count
+    among all loads only, a decode step's (one row) also among decode's own."""
+    timer = LoadTimer()
+    inner = InMemoryBackend(6)
+    service, _manager, _ = make(
+        working=2, per_layer=2, timer=timer, backend=MeteredBackend(inner, slab=None, timer=timer, footprint=lambda: 0)
+    )
+    prompt = await service.handle(routes(1, [[0, 1], [2, 3]]))  # 4 misses in two waves of 2
+    second = await service.handle(Fence(lease_id=prompt.lease_id, next=True))
+    await service.handle(Fence(lease_id=second.lease_id))
+    after_prompt = timer.take()
+    assert (len(after_prompt.disk), len(after_prompt.wait)) == (4, 2)
+    assert after_prompt.decode_disk == after_prompt.decode_wait == ()
+    step = await service.handle(routes(3, [[5, 6]]))  # a decode step: one row, 2 misses, one wave
+    await service.handle(Fence(lease_id=step.lease_id))
+    held = await service.handle(routes(3, [[5, 6]]))  # all hits: no load, no wave to time
+    await service.handle(Fence(lease_id=held.lease_id))
+    decode = timer.take()
+    assert (len(decode.disk), len(decode.wait)) == (2, 1)
+    assert decode.decode_disk == decode.disk and decode.decode_wait == decode.wait
+    assert all(ms >= 0 for ms in decode.disk + decode.wait)
 
 
 @run_async

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from coordinator.memory_backend import InMemoryBackend
-from coordinator.metered_backend import LoadTimer, MeteredBackend
+from coordinator.metered_backend import LoadSamples, LoadTimer, MeteredBackend
 from coordinator.prefetch import PrefetchBook, prefetch_count
 from coordinator.residency import ExpertResidencyManager
 from coordinator.residency_types import ResidencyPressureError
@@ -113,14 +113,14 @@ async def test_prefetch_reads_are_left_out_of_the_jobs_disk_and_wait_figures():
     for slot, generation in inner.pending():
         inner.complete(slot, generation)
     await manager.settle_prefetch()
-    assert timer.take() == ((), ())  # prefetches are nobody's foreground wait
+    assert timer.take() == LoadSamples()  # prefetches are nobody's foreground wait
     demand = asyncio.ensure_future(manager.acquire_block(1, [4, 6]))
     await asyncio.sleep(0.01)
     for slot, generation in inner.pending():
         inner.complete(slot, generation)
     (await asyncio.wait_for(demand, 5)).release_fenced()
-    disk, wait = timer.take()
-    assert len(disk) == 1 and len(wait) == 1  # the one demand miss (6), one wave
+    taken = timer.take()
+    assert len(taken.disk) == 1 and len(taken.wait) == 1  # the one demand miss (6), one wave
 
 
 @run_async
