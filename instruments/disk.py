@@ -15,21 +15,13 @@ import time
 from typing import Any
 
 from instruments.figures import MB, median
+from native.blockdev import mount_of
 
 
 def mount_type(path: str | os.PathLike[str]) -> str:
-    """The file system type of the mount holding `path` (the longest matching mount point), or "unknown"."""
-    target, best, kind = os.path.realpath(path), "", "unknown"
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as mounts:
-            for line in mounts:
-                fields = line.split()
-                point = fields[1].replace("\\040", " ") if len(fields) > 2 else ""
-                if point and (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        pass
-    return kind
+    """The file system type of the mount holding `path` (`native.blockdev.mount_of`), or "unknown"."""
+    mount = mount_of(path)
+    return "unknown" if mount is None else mount.type
 
 
 def resolve_io_mode(requested: str, path: str | os.PathLike[str]) -> str:

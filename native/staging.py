@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from native.blockdev import queue_setting
+from native.blockdev import MOUNTS, mount_of, queue_setting
 
 logger = logging.getLogger(__name__)
 
@@ -69,23 +69,8 @@ def _setting(path: Path) -> str | None:
 SHM_DIR = "/dev/shm"  # where glibc's shm_open, and so posix_ipc, puts the slab on Linux
 
 
-def _shm_mount_huge(mounts: Path, directory: str) -> str | None:
-    """The `huge=` option of the mount at `directory` (None: no such mount, or none given).
-
-    The last line naming the directory wins: a later mount on the same point hides the earlier."""
-    try:
-        lines = mounts.read_text().splitlines()
-    except OSError:
-        return None
-    found: str | None = None
-    for fields in (line.split() for line in lines):
-        if len(fields) >= 4 and fields[1] == directory:  # device, point, type, options, ...
-            found = next((option[5:] for option in fields[3].split(",") if option.startswith("huge=")), "")
-    return found or None
-
-
 def slab_gets_huge_pages(
-    *, sysfs: Path = Path("/sys"), mounts: Path = Path("/proc/self/mounts"), directory: str = SHM_DIR
+    *, sysfs: Path = Path("/sys"), mounts: Path = MOUNTS, directory: str = SHM_DIR
 ) -> tuple[bool, str]:
     """Whether a slab created in `directory` (a tmpfs) gets transparent huge pages, and why.
 
@@ -96,7 +81,8 @@ def slab_gets_huge_pages(
     shmem = _setting(sysfs / "kernel" / "mm" / "transparent_hugepage" / "shmem_enabled")
     if shmem in ("deny", "force"):
         return shmem == "force", f"shmem_enabled={shmem}"
-    huge = _shm_mount_huge(mounts, directory)
+    mount = mount_of(directory, mounts=mounts)
+    huge = mount.option("huge") if mount is not None and mount.point == directory else None  # its own mount
     return huge in ("always", "within_size"), f"{directory} mounted with huge={huge or 'never'}"
 
 
@@ -113,7 +99,7 @@ def choose_staging(
     largest_read: int,
     requested: StagingRequest = "auto",
     sysfs: Path = Path("/sys"),
-    mounts: Path = Path("/proc/self/mounts"),
+    mounts: Path = MOUNTS,
     platform: str = sys.platform,
 ) -> StagingChoice:
     """Decide staging for direct reads of `paths` of up to `largest_read` bytes.

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from instruments.disk import resolve_io_mode
 from shared.client import Client, token_logprobs
 from shared.job_messages import Done, TokenEvent
 from shared.store import ExpertStore
@@ -41,27 +42,9 @@ PROMPT = tuple(b"The quick brown fox jumps over the lazy dog, again and again.")
 TEST_KV_RESERVE = 1 << 20
 
 
-def _mount_type(path: str | os.PathLike[str]) -> str:
-    """The filesystem type of the mount holding `path` (longest matching mount point)."""
-    target = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                point = fields[1].replace("\\040", " ")
-                if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        pass
-    return kind
-
-
 def io_mode_for(path: str | os.PathLike[str]) -> str:
     """tmpfs refuses O_DIRECT: read buffered there, cache-bypassing everywhere else."""
-    return "buffered" if _mount_type(path) in ("tmpfs", "ramfs") else "direct"
+    return resolve_io_mode("auto", path)
 
 
 def tight_budget(store: ExpertStore, kv_reserve: int = TEST_KV_RESERVE) -> int:
